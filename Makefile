@@ -1,0 +1,41 @@
+# The two commands of the README. Both install what they need (as root, on a fresh machine).
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftables iproute2 \
+                busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint deps venv bench clean-node
+
+demo: venv
+	$(VENV)/bin/corral demo
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy src/corral
+
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+venv: deps $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+bench: venv
+	$(VENV)/bin/corral bench --help
+
+clean-node: venv
+	$(VENV)/bin/corral node gc --all

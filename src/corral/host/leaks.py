@@ -1,0 +1,108 @@
+"""Find what corral may have left on the host: mounts, cgroups, loop devices, runtime
+containers, network namespaces, processes.
+
+Used by the test suite's session check, by ``corral bench density`` (leftovers) and by
+``corral node status``. Reads only; removing is ``corral node gc``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["scan", "total"]
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _mounts(prefixes: list[Path]) -> list[str]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if any(mp == str(p) or mp.startswith(str(p) + "/") for p in prefixes):
+                out.append(mp)
+    return out
+
+
+def _cgroups(subtree: str) -> list[str]:
+    out = []
+    if not _CGROUP_ROOT.is_dir():
+        return out
+    for base in [_CGROUP_ROOT, *[p for p in _CGROUP_ROOT.iterdir() if p.is_dir()]]:
+        d = base / subtree
+        if d.is_dir():
+            for child in d.iterdir():
+                if child.is_dir():
+                    out.append(str(child))
+            out.append(str(d))
+    return sorted(set(out))
+
+
+def _loops(prefixes: list[Path]) -> list[str]:
+    out = []
+    block = Path("/sys/block")
+    for dev in block.glob("loop*"):
+        try:
+            backing = (dev / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue
+        if any(backing.startswith(str(p)) for p in prefixes):
+            out.append(f"/dev/{dev.name} -> {backing}")
+    return out
+
+
+def _containers(runtime_roots: list[Path]) -> list[str]:
+    out = []
+    for root in runtime_roots:
+        if root.is_dir():
+            for d in root.iterdir():
+                if (d / "state.json").exists() or (d / "status").exists():
+                    out.append(f"{root.name}:{d.name}")
+    return out
+
+
+def _netns(prefix: str) -> list[str]:
+    d = Path("/run/netns")
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(prefix)) if d.is_dir() else []
+
+
+def _procs(subtree: str) -> list[str]:
+    """Processes whose cgroup (any hierarchy) lies in corral's subtree."""
+    out = []
+    needle = f"/{subtree}/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                cg = f.read()
+        except OSError:
+            continue
+        if needle in cg:
+            out.append(pid)
+    return out
+
+
+def scan(
+    state_dir: Path, run_dir: Path, subtree: str = "corral", netns_prefix: str = "corral-"
+) -> dict[str, list[str]]:
+    """Everything of corral's on this host, by kind."""
+    prefixes = [state_dir, run_dir]
+    return {
+        "mounts": _mounts(prefixes),
+        "cgroups": _cgroups(subtree),
+        "loop_devices": _loops(prefixes),
+        "containers": _containers([run_dir / "runc", run_dir / "crun"]),
+        "netns": _netns(netns_prefix),
+        "processes": _procs(subtree),
+    }
+
+
+def total(found: dict[str, list[str]]) -> int:
+    return sum(len(v) for v in found.values())
+
+
+if __name__ == "__main__":  # pragma: no cover - manual aid
+    print(json.dumps(scan(Path("/var/lib/corral"), Path("/run/corral")), indent=2))

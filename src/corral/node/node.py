@@ -1,0 +1,699 @@
+"""The node agent: the single owner of sandbox state on one host.
+
+Every API (embedded SDK, REST) ends here as a typed call; this object decides what is
+allowed in which state, talks to the backend, and records the outcome in SQLite.
+
+Example:
+    node = await Node.open(NodeConfig(state_dir=Path("/var/lib/corral")))
+    info = await node.sandbox_create(SandboxSpec(image="demo/python"))
+    print((await node.exec(info.id, ExecRequest(cmd=["true"]))).reason)
+    await node.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from corral.backends import shell as shellmod
+from corral.backends.container import ContainerBackend
+from corral.backends.initclient import InitExit
+from corral.errors import (
+    CapacityError,
+    Conflict,
+    CorralError,
+    HostError,
+    InvalidRequest,
+    ProcessNotFound,
+    SandboxError,
+    SandboxNotFound,
+)
+from corral.host import mounts
+from corral.host.btrfs import Scratch
+from corral.host.cgroups import Cgroups, detect_mode
+from corral.host.runtime import OCIRuntime
+from corral.host.userns import UserNamespace
+from corral.images.mounts import LayerMounts
+from corral.images.store import LayerStore
+from corral.init import ensure_built
+from corral.node.config import NodeConfig
+from corral.node.state import StateStore
+from pydantic import ValidationError
+
+from corral.spec import (
+    validation_message,
+    Event,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    ImageInfo,
+    LayerInfo,
+    NodeStatus,
+    ProcessInfo,
+    SandboxInfo,
+    SandboxSpec,
+    ShellInfo,
+)
+
+__all__ = ["Node"]
+
+log = logging.getLogger("corral.node")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+
+
+class Node:
+    """One host's sandboxes. Create with :meth:`open`; implements :class:`corral.ops.NodeOps`."""
+
+    def __init__(self, config: NodeConfig, **parts: object) -> None:
+        # Private: use Node.open(). Parts are assembled there.
+        self.config = config
+        self.node_id: str = parts["node_id"]  # type: ignore[assignment]
+        self.state: StateStore = parts["state"]  # type: ignore[assignment]
+        self.store: LayerStore = parts["store"]  # type: ignore[assignment]
+        self.cgroups: Cgroups = parts["cgroups"]  # type: ignore[assignment]
+        self.runtime: OCIRuntime = parts["runtime"]  # type: ignore[assignment]
+        self.userns: UserNamespace = parts["userns"]  # type: ignore[assignment]
+        self.layers: LayerMounts = parts["layers"]  # type: ignore[assignment]
+        self.scratch: Scratch = parts["scratch"]  # type: ignore[assignment]
+        self.backend: ContainerBackend = parts["backend"]  # type: ignore[assignment]
+        self._lock_fd: int = parts["lock_fd"]  # type: ignore[assignment]
+        self._live: dict[str, SandboxInfo] = {}
+        self._touched: dict[str, float] = {}
+        self._busy: dict[str, int] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    async def open(cls, config: NodeConfig | None = None) -> Node:
+        cfg = config or NodeConfig()
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(cfg.state_dir / "node.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise Conflict(
+                f"another corral node already owns {cfg.state_dir}; connect to it "
+                f"(AsyncClient('unix://{cfg.socket_path}')) or use another state_dir"
+            ) from None
+        opened: list[object] = []
+        try:
+            node_id_file = cfg.state_dir / "node_id"
+            if not node_id_file.exists():
+                node_id_file.write_text(uuid.uuid4().hex[:12])
+            node_id = node_id_file.read_text().strip()
+            state = StateStore(cfg.state_dir / "state.db")
+            store = LayerStore(cfg.store_dir)
+            mode = detect_mode()
+            cgroups = Cgroups(cfg.cgroup_subtree)
+            runtime = OCIRuntime.detect(
+                mode, root_base=cfg.run_dir, prefer=None if cfg.runtime == "auto" else cfg.runtime
+            )
+            init_path = await asyncio.to_thread(ensure_built, cfg.state_dir / "bin")
+            userns = UserNamespace.create(cfg.host_uid, cfg.id_count)
+            opened.append(userns)
+            resolve = store.path_of
+            if cfg.eager_layers:
+                resolve = _eager_resolver(store, cfg.state_dir / "eager")
+            layers = LayerMounts(cfg.state_dir / "mnt", resolve, store.verify, userns)
+            scratch = Scratch(cfg.state_dir / "scratch.img", cfg.state_dir / "scratch",
+                              cfg.scratch_size)
+            await asyncio.to_thread(scratch.setup)
+            backend = ContainerBackend(
+                sandboxes_dir=cfg.state_dir / "sandboxes", runtime=runtime, cgroups=cgroups,
+                layers=layers, scratch=scratch, init_path=init_path, host_uid=cfg.host_uid,
+                id_count=cfg.id_count,
+            )
+        except BaseException:
+            for o in opened:
+                with contextlib.suppress(Exception):
+                    o.close()  # type: ignore[attr-defined]
+            os.close(lock_fd)
+            raise
+        node = cls(
+            cfg, node_id=node_id, state=state, store=store, cgroups=cgroups, runtime=runtime,
+            userns=userns, layers=layers, scratch=scratch, backend=backend, lock_fd=lock_fd,
+        )
+        await node._recover()
+        node._reaper = asyncio.create_task(node._reap_forever(), name="corral-reaper")
+        return node
+
+    async def _recover(self) -> None:
+        """Reconcile the database with what is really running after a (re)start."""
+        counts: dict[str, int] = {}
+        lost: list[SandboxInfo] = []
+        for info in self.state.live_sandboxes():
+            image = _image_of(info)
+            if info.state in ("running", "paused") and await self.backend.adopt(info.id, image):
+                self._live[info.id] = info
+                for d in info.layers:
+                    counts[d] = counts.get(d, 0) + 1
+            else:
+                lost.append(info)
+        self.layers.adopt(counts)
+        for info in lost:
+            log.warning("sandbox %s did not survive (state %s); cleaning up", info.id, info.state)
+            with contextlib.suppress(Exception):
+                await self.backend.destroy(info.id, None)
+            self.state.mark_destroyed(info.id)
+            self.state.add_event(info.id, "lost", {"state": info.state})
+
+    async def close(self) -> None:
+        """Stop serving. Running sandboxes keep running (a later open adopts them); shared
+        resources (layer mounts, scratch filesystem, cgroup subtree) go if none is left."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reaper
+        self._flush_touches()
+        if not self._live:
+            await self._teardown_shared()
+        self.userns.close()
+        self.state.close()
+        os.close(self._lock_fd)
+
+    async def _teardown_shared(self) -> None:
+        self.layers.unmount_all()
+        await asyncio.to_thread(self.scratch.teardown)
+        self.cgroups.remove_subtree_if_empty()
+        with contextlib.suppress(OSError):
+            self.runtime.root.rmdir()
+
+    async def __aenter__(self) -> Node:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ images
+    async def image_get(self, name: str) -> ImageInfo:
+        return self.store.image(name)
+
+    async def image_list(self) -> list[ImageInfo]:
+        return self.store.images()
+
+    async def image_compose(
+        self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
+    ) -> ImageInfo:
+        return self.store.put_image(name, layers, env=env, workdir=workdir)
+
+    async def image_remove(self, name: str) -> None:
+        self.store.remove_image(name)
+
+    async def layer_list(self) -> list[LayerInfo]:
+        return self.store.layers()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
+        self._check_open()
+        image = self.store.image(spec.image)
+        if len(self._live) >= self.config.max_sandboxes:
+            raise CapacityError(
+                f"node {self.node_id} is full: {len(self._live)} sandboxes "
+                f"(max_sandboxes={self.config.max_sandboxes})"
+            )
+        sid = _new_id("sb-")
+        now = time.time()
+        info = SandboxInfo(
+            id=sid, state="creating", image=spec.image, image_digest=image.digest,
+            layers=list(image.layers), spec=spec, created_at=now,
+            expires_at=now + spec.ttl if spec.ttl else None, last_active_at=now,
+            runtime=self.runtime.name,
+        )
+        if spec.workdir == "/" and image.workdir != "/":
+            info.spec = spec.model_copy(update={"workdir": image.workdir})
+        self.state.put_sandbox(info)
+        self._live[sid] = info
+        try:
+            pid = await self.backend.create(sid, info.spec, image)
+        except BaseException as e:
+            self._live.pop(sid, None)
+            self.state.mark_destroyed(sid)
+            self.state.add_event(sid, "create_failed", {"error": str(e)[:2000]})
+            if isinstance(e, CorralError):
+                raise
+            if isinstance(e, Exception):
+                raise HostError(f"creating sandbox failed: {e}") from e
+            raise
+        info = info.model_copy(update={"state": "running", "pid": pid})
+        self._live[sid] = info
+        self.state.put_sandbox(info)
+        self.state.add_event(sid, "created", {"image": spec.image, "pid": pid})
+        return info
+
+    async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
+        info = self._live.get(sandbox_id)
+        if info is None:
+            info = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
+            if info is None:
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r} on node {self.node_id}")
+        return info.model_copy(update={"last_active_at": self._touched.get(
+            sandbox_id, info.last_active_at)})
+
+    async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        out = list(self._live.values())
+        if labels:
+            out = [i for i in out if all(i.spec.labels.get(k) == v for k, v in labels.items())]
+        return out
+
+    async def sandbox_destroy(self, sandbox_id: str) -> None:
+        info = self._need(sandbox_id)
+        if info.state == "destroying":
+            raise Conflict(f"sandbox {sandbox_id} is already being destroyed")
+        await self._destroy(info, "destroyed")
+
+    async def _destroy(self, info: SandboxInfo, why: str) -> None:
+        sid = info.id
+        self._live[sid] = info.model_copy(update={"state": "destroying"})
+        try:
+            await self.backend.destroy(sid, _image_of(info))
+        except CorralError as e:
+            self.state.add_event(sid, "destroy_error", {"error": e.message[:2000]})
+            log.error("%s", e.message)
+        finally:
+            self._live.pop(sid, None)
+            self._touched.pop(sid, None)
+            self.state.mark_destroyed(sid)
+            self.state.add_event(sid, why, {})
+
+    # ------------------------------------------------------------------ exec
+    def _prepare(self, info: SandboxInfo, req: ExecRequest) -> dict[str, object]:
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": info.spec.hostname}
+        env.update(self._image_env(info))
+        env.update(info.spec.env)
+        env.update(req.env)
+        uid, gid = self._resolve_user(info.id, req.user)
+        if req.user and uid != 0 and "HOME" not in req.env:
+            env["HOME"] = "/"
+        limit = req.output_limit if req.output_limit is not None else info.spec.limits.output
+        return {
+            "env": env, "cwd": req.cwd or info.spec.workdir, "uid": uid, "gid": gid,
+            "timeout": req.timeout, "output_limit": limit,
+        }
+
+    def _image_env(self, info: SandboxInfo) -> dict[str, str]:
+        try:
+            return self.store.image(info.image_digest).env
+        except CorralError:
+            return {}
+
+    def _resolve_user(self, sandbox_id: str, user: str | None) -> tuple[int, int]:
+        if not user:
+            return 0, 0
+        name, _, group = user.partition(":")
+        uid = gid = None
+        if name.isdigit():
+            uid = int(name)
+        else:
+            for line in self._etc(sandbox_id, "/etc/passwd"):
+                f = line.split(":")
+                if len(f) >= 4 and f[0] == name:
+                    uid, gid = int(f[2]), int(f[3])
+                    break
+            if uid is None:
+                raise InvalidRequest(f"user: no user {name!r} in the sandbox's /etc/passwd")
+        if group:
+            if group.isdigit():
+                gid = int(group)
+            else:
+                for line in self._etc(sandbox_id, "/etc/group"):
+                    f = line.split(":")
+                    if len(f) >= 3 and f[0] == group:
+                        gid = int(f[2])
+                        break
+                else:
+                    raise InvalidRequest(f"user: no group {group!r} in the sandbox's /etc/group")
+        if gid is None:
+            gid = uid
+        if not (0 <= uid < self.config.id_count and 0 <= gid < self.config.id_count):
+            raise InvalidRequest(f"user: ids must be below {self.config.id_count}")
+        return uid, gid
+
+    def _etc(self, sandbox_id: str, path: str) -> list[str]:
+        try:
+            return self.backend.fs(sandbox_id).read(path, length=1 << 20).decode(
+                errors="replace").splitlines()
+        except CorralError:
+            return []
+
+    def _to_result(self, sid: str, r: InitExit, oom_before: int) -> ExecResult:
+        reason = r.reason
+        if reason == "signaled" and r.signal == 9 and self._oom_kills(sid) > oom_before:
+            reason = "oom"
+        if reason not in ("exited", "signaled", "timeout", "oom", "output_limit"):
+            raise SandboxError(f"sandbox {sid}: init reported unknown end {reason!r}")
+        if reason in ("oom", "output_limit", "timeout"):
+            detail: dict[str, object] = {"duration": round(r.duration, 3)}
+            if reason == "output_limit":
+                detail.update(stdout_bytes=r.out_len, stderr_bytes=r.err_len)
+            self.state.add_event(sid, reason, detail)  # type: ignore[arg-type]
+        return ExecResult(
+            exit_code=r.code if reason == "exited" else None,
+            signal=r.signal if reason != "exited" else None,
+            stdout=r.stdout, stderr=r.stderr, stdout_truncated=r.out_trunc,
+            stderr_truncated=r.err_trunc, duration=r.duration, reason=reason,  # type: ignore[arg-type]
+        )
+
+    def _oom_kills(self, sid: str) -> int:
+        try:
+            return self.cgroups.oom_kills(sid)
+        except Exception:
+            return 0
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        info = self._active(sandbox_id)
+        p = self._prepare(info, req)
+        before = self._oom_kills(sandbox_id)
+        with self._working(sandbox_id):
+            r = await self.backend.client(sandbox_id).exec(req.cmd, stdin=req.stdin, **p)  # type: ignore[arg-type]
+        return self._to_result(sandbox_id, r, before)
+
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[ExecChunk | ExecResult]:
+        info = self._active(sandbox_id)
+        p = self._prepare(info, req)
+        before = self._oom_kills(sandbox_id)
+        with self._working(sandbox_id):
+            stream = self.backend.client(sandbox_id).stream(
+                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, **p  # type: ignore[arg-type]
+            )
+            async with stream as s:
+                if req.stdin is not None:
+                    await s.write(req.stdin)
+                    await s.close_stdin()
+                async for name, data in s:
+                    yield ExecChunk(stream=name, data=data)  # type: ignore[arg-type]
+                result = s.result
+        yield self._to_result(sandbox_id, result, before)
+
+    def pty(self, sandbox_id: str, cmd: list[str], rows: int, cols: int,
+            env: dict[str, str] | None = None) -> object:
+        """An interactive terminal stream (for ``corral sandbox shell``)."""
+        info = self._active(sandbox_id)
+        p = self._prepare(info, ExecRequest(cmd=cmd, env={"TERM": "xterm-256color", **(env or {})}))
+        p["output_limit"] = 1 << 40
+        return self.backend.client(sandbox_id).stream(
+            cmd, stdin_pipe=True, tty=True, rows=rows, cols=cols, **p  # type: ignore[arg-type]
+        )
+
+    async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        info = self._active(sandbox_id)
+        if req.stdin is not None or req.tty:
+            raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
+        p = self._prepare(info, req)
+        p.pop("timeout")
+        pid_id, pid = await self.backend.client(sandbox_id).spawn(req.cmd, **p)  # type: ignore[arg-type]
+        return ProcessInfo(id=pid_id, pid=pid, cmd=req.cmd, running=True)
+
+    async def process_get(
+        self, sandbox_id: str, process_id: str, wait: float | None = None
+    ) -> ProcessInfo:
+        self._active(sandbox_id)
+        before = self._oom_kills(sandbox_id)
+        with self._working(sandbox_id):
+            p = await self.backend.client(sandbox_id).wait(process_id, timeout=wait or 0)
+        result = self._to_result(sandbox_id, p.exit, before) if p.exit else None
+        return ProcessInfo(
+            id=p.id, pid=p.pid, cmd=p.argv, running=p.running, stdout=p.stdout, stderr=p.stderr,
+            result=result,
+        )
+
+    async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
+        self._active(sandbox_id)
+        if not 1 <= signal <= 64:
+            raise InvalidRequest(f"signal: {signal} is not a signal number (1-64)")
+        await self.backend.client(sandbox_id).kill(process_id, signal)
+
+    async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
+        self._active(sandbox_id)
+        return [
+            ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running)
+            for p in await self.backend.client(sandbox_id).list()
+        ]
+
+    # ------------------------------------------------------------------ shells
+    async def shell_open(
+        self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None
+    ) -> ShellInfo:
+        info = self._active(sandbox_id)
+        try:
+            req = ExecRequest(cmd=["true"], cwd=cwd, env=env or {})  # validates cwd and env
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        shell_id = _new_id("sh-")
+        start = req.cwd or info.spec.workdir
+        r = await self.exec(sandbox_id, ExecRequest(cmd=shellmod.init_argv(shell_id, start),
+                                                    timeout=30))
+        if not r.ok:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: could not start a shell session (needs bash in the "
+                f"image): {r.stderr.decode(errors='replace')[:500]}"
+            )
+        created = self.state.put_shell(shell_id, sandbox_id, start, req.env)
+        return ShellInfo(id=shell_id, cwd=start, created_at=created)
+
+    async def shell_run(
+        self, sandbox_id: str, shell_id: str, command: str, timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        row = self.state.get_shell(shell_id)
+        if row is None or row[0] != sandbox_id:
+            raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
+        if "\0" in command:
+            raise InvalidRequest("command: cannot contain NUL bytes")
+        return await self.exec(sandbox_id, ExecRequest(
+            cmd=shellmod.shell_argv(shell_id, command), env=row[2], timeout=timeout, stdin=stdin,
+        ))
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        row = self.state.get_shell(shell_id)
+        if row is None or row[0] != sandbox_id:
+            raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
+        self.state.delete_shell(shell_id)
+        with contextlib.suppress(CorralError):
+            await asyncio.to_thread(
+                self.backend.fs(sandbox_id).remove, f"{shellmod.STATE_DIR}/{shell_id}"
+            )
+
+    # ------------------------------------------------------------------ files
+    async def _fs_call(self, sandbox_id: str, method: str, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        self._active(sandbox_id)
+        with self._working(sandbox_id):
+            fs = self.backend.fs(sandbox_id)
+            try:
+                return await asyncio.to_thread(getattr(fs, method), *args, **kw)
+            except CorralError as e:
+                if e.status == 400:
+                    self.state.add_event(sandbox_id, "file_refused",
+                                         {"op": method, "error": e.message[:500]})
+                raise
+
+    async def file_read(
+        self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None
+    ) -> bytes:
+        return await self._fs_call(sandbox_id, "read", path, offset, length)  # type: ignore[no-any-return]
+
+    async def file_write(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
+    ) -> None:
+        await self._fs_call(sandbox_id, "write", path, data, mode=mode, append=append)
+
+    async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
+        return await self._fs_call(sandbox_id, "list", path)  # type: ignore[no-any-return]
+
+    async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
+        return await self._fs_call(sandbox_id, "stat", path)  # type: ignore[no-any-return]
+
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._fs_call(sandbox_id, "remove", path, recursive=recursive)
+
+    async def file_mkdir(
+        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+    ) -> None:
+        await self._fs_call(sandbox_id, "mkdir", path, parents=parents, mode=mode)
+
+    async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._fs_call(sandbox_id, "upload_tar", path, data)
+
+    async def file_download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await self._fs_call(sandbox_id, "download_tar", path)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ events, status
+    async def events(
+        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+    ) -> list[Event]:
+        if sandbox_id is not None:
+            await self.sandbox_get(sandbox_id)
+            return self.state.events(sandbox_id, since_id)
+        evs = self.state.events(None, since_id)
+        if labels:
+            ids = set(self.state.sandbox_ids_with_labels(labels))
+            evs = [e for e in evs if e.sandbox_id in ids]
+        return evs
+
+    async def node_status(self) -> NodeStatus:
+        import psutil
+
+        from corral import __version__
+
+        vm = psutil.virtual_memory()
+        return NodeStatus(
+            node_id=self.node_id, version=__version__, runtime=self.runtime.name,
+            cgroup_mode=self.cgroups.mode,  # type: ignore[arg-type]
+            sandboxes=len(self._live),
+            running=sum(1 for i in self._live.values() if i.state == "running"),
+            state_dir=str(self.config.state_dir), store=str(self.config.store_dir),
+            mounted_layers=len(self.layers.mounted()), mem_total=vm.total,
+            mem_available=vm.available,
+        )
+
+    # ------------------------------------------------------------------ gc
+    async def gc(self, everything: bool = False) -> dict[str, int]:
+        """Remove what a crash left behind; with ``everything``, destroy all sandboxes too."""
+        removed = {"sandboxes": 0, "containers": 0, "mounts": 0, "cgroups": 0, "subvols": 0}
+        if everything:
+            for info in list(self._live.values()):
+                await self._destroy(info, "destroyed")
+                removed["sandboxes"] += 1
+        live = set(self._live)
+        for c in await self.runtime.list():
+            cid = c.get("id", "")
+            if cid and cid not in live:
+                await self.runtime.delete(cid, force=True)
+                removed["containers"] += 1
+        for m in mounts.mounts_under(self.backend.sandboxes_dir):
+            if m.parent.name not in live:
+                mounts.umount(m, detach=True)
+                removed["mounts"] += 1
+        for name in self.cgroups.list():
+            if name not in live:
+                self.cgroups.remove(name)
+                removed["cgroups"] += 1
+        for name in self.scratch.subvols():
+            if name not in live:
+                self.scratch.delete_subvol(name)
+                removed["subvols"] += 1
+        if self.backend.sandboxes_dir.exists():
+            for d in self.backend.sandboxes_dir.iterdir():
+                if d.name not in live:
+                    from corral.backends.container import _remove_dir
+
+                    _remove_dir(d)
+        if everything or not live:
+            await self._teardown_shared()
+            # The scratch fs and layer mounts come back on the next use of this node.
+            await asyncio.to_thread(self.scratch.setup)
+        self.state.add_event(None, "gc", removed)  # type: ignore[arg-type]
+        return removed
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Conflict("this node has been closed")
+
+    def _need(self, sandbox_id: str) -> SandboxInfo:
+        info = self._live.get(sandbox_id)
+        if info is None:
+            old = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
+            if old is not None:
+                raise SandboxNotFound(f"sandbox {sandbox_id} is {old.state}")
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on node {self.node_id}")
+        return info
+
+    def _active(self, sandbox_id: str) -> SandboxInfo:
+        self._check_open()
+        info = self._need(sandbox_id)
+        if info.state != "running":
+            raise Conflict(f"sandbox {sandbox_id} is {info.state}, not running")
+        self._touched[sandbox_id] = time.time()
+        return info
+
+    @contextlib.contextmanager
+    def _working(self, sandbox_id: str):  # type: ignore[no-untyped-def]
+        """Marks a request in flight, so the idle reaper never takes a busy sandbox."""
+        self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._touched[sandbox_id] = time.time()
+            n = self._busy.get(sandbox_id, 1) - 1
+            if n:
+                self._busy[sandbox_id] = n
+            else:
+                self._busy.pop(sandbox_id, None)
+
+    def _flush_touches(self) -> None:
+        if self._touched:
+            self.state.touch_many(self._touched)
+            for sid, t in self._touched.items():
+                if sid in self._live:
+                    self._live[sid] = self._live[sid].model_copy(update={"last_active_at": t})
+            self._touched.clear()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def reap_once(self) -> None:
+        self._flush_touches()
+        now = time.time()
+        for info in list(self._live.values()):
+            if info.state != "running" or info.id in self._busy:
+                continue
+            if info.expires_at and now >= info.expires_at:
+                await self._destroy(info, "ttl_expired")
+            elif info.spec.idle_timeout and now - info.last_active_at >= info.spec.idle_timeout:
+                await self._destroy(info, "idle_timeout")
+            elif not self.backend.alive(info.id):
+                self.state.add_event(info.id, "died", {})
+                await self._destroy(info, "destroyed")
+
+
+def _plausible_id(sandbox_id: str) -> bool:
+    return sandbox_id.startswith("sb-") and len(sandbox_id) <= 64
+
+
+def _image_of(info: SandboxInfo) -> ImageInfo:
+    return ImageInfo(name=info.image, digest=info.image_digest, layers=info.layers)
+
+
+def _eager_resolver(store: LayerStore, local: Path):  # type: ignore[no-untyped-def]
+    """Benchmark baseline: copy a layer to node-local disk before its first mount."""
+    import shutil
+
+    local.mkdir(parents=True, exist_ok=True)
+
+    def resolve(digest: str) -> Path:
+        dst = local / (digest.split(":", 1)[1] + ".erofs")
+        if not dst.exists():
+            tmp = dst.with_suffix(".tmp")
+            shutil.copyfile(store.path_of(digest), tmp)
+            os.replace(tmp, dst)
+        return dst
+
+    return resolve

@@ -1,0 +1,144 @@
+"""The node's durable state: SQLite in WAL mode in the state dir.
+
+The node is the source of truth for its sandboxes; this store is how that truth survives
+an agent restart. Only the Node object writes here.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from corral.spec import Event, SandboxInfo
+
+__all__ = ["StateStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    info TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    idle_timeout REAL,
+    last_active_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS shells (
+    id TEXT PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    cwd TEXT NOT NULL,
+    env TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id, id);
+"""
+
+_LIVE = ("creating", "running", "paused", "stopped", "destroying", "failed")
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # sandboxes
+    def put_sandbox(self, info: SandboxInfo) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?)",
+            (
+                info.id, info.state, info.model_dump_json(), json.dumps(info.spec.labels),
+                info.created_at, info.expires_at, info.spec.idle_timeout, info.last_active_at,
+            ),
+        )
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxInfo | None:
+        row = self._db.execute("SELECT info FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+        return SandboxInfo.model_validate_json(row[0]) if row else None
+
+    def live_sandboxes(self) -> list[SandboxInfo]:
+        q = "SELECT info FROM sandboxes WHERE state IN (%s) ORDER BY created_at" % ",".join(
+            "?" * len(_LIVE)
+        )
+        return [SandboxInfo.model_validate_json(r[0]) for r in self._db.execute(q, _LIVE)]
+
+    def mark_destroyed(self, sandbox_id: str) -> None:
+        """Keep the row (labels stay queryable for events), drop what only a live one needs."""
+        self._db.execute("UPDATE sandboxes SET state='destroyed' WHERE id=?", (sandbox_id,))
+        self._db.execute("DELETE FROM shells WHERE sandbox_id=?", (sandbox_id,))
+
+    def touch_many(self, stamps: dict[str, float]) -> None:
+        self._db.executemany(
+            "UPDATE sandboxes SET last_active_at=? WHERE id=?",
+            [(t, sid) for sid, t in stamps.items()],
+        )
+
+    # shells
+    def put_shell(self, shell_id: str, sandbox_id: str, cwd: str, env: dict[str, str]) -> float:
+        now = time.time()
+        self._db.execute(
+            "INSERT OR REPLACE INTO shells VALUES (?,?,?,?,?)",
+            (shell_id, sandbox_id, cwd, json.dumps(env), now),
+        )
+        return now
+
+    def get_shell(self, shell_id: str) -> tuple[str, str, dict[str, str], float] | None:
+        row = self._db.execute(
+            "SELECT sandbox_id, cwd, env, created_at FROM shells WHERE id=?", (shell_id,)
+        ).fetchone()
+        return (row[0], row[1], json.loads(row[2]), row[3]) if row else None
+
+    def delete_shell(self, shell_id: str) -> None:
+        self._db.execute("DELETE FROM shells WHERE id=?", (shell_id,))
+
+    # events
+    def add_event(self, sandbox_id: str | None, kind: str, detail: dict) -> int:
+        cur = self._db.execute(
+            "INSERT INTO events (sandbox_id, time, kind, detail) VALUES (?,?,?,?)",
+            (sandbox_id, time.time(), kind, json.dumps(detail)),
+        )
+        return int(cur.lastrowid or 0)
+
+    def events(
+        self, sandbox_id: str | None = None, since_id: int = 0, limit: int = 10000
+    ) -> list[Event]:
+        if sandbox_id is None:
+            rows = self._db.execute(
+                "SELECT id, sandbox_id, time, kind, detail FROM events WHERE id>? "
+                "ORDER BY id LIMIT ?", (since_id, limit)
+            )
+        else:
+            rows = self._db.execute(
+                "SELECT id, sandbox_id, time, kind, detail FROM events "
+                "WHERE sandbox_id=? AND id>? ORDER BY id LIMIT ?", (sandbox_id, since_id, limit)
+            )
+        return [
+            Event(id=r[0], sandbox_id=r[1], time=r[2], kind=r[3], detail=json.loads(r[4]))
+            for r in rows
+        ]
+
+    def sandbox_ids_with_labels(self, labels: dict[str, str]) -> list[str]:
+        """Every sandbox, live or destroyed, whose labels include all of ``labels``."""
+        out = []
+        for sid, raw in self._db.execute("SELECT id, labels FROM sandboxes"):
+            have = json.loads(raw)
+            if all(have.get(k) == v for k, v in labels.items()):
+                out.append(sid)
+        return out

@@ -1,0 +1,80 @@
+"""Fixtures for tests that drive a real node: runc, EROFS, overlayfs, btrfs, cgroups."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_RUN, TEST_STATE, TEST_STORE, TEST_SUBTREE
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def node_config(**kw):  # type: ignore[no-untyped-def]
+    from corral.node import NodeConfig
+
+    base = dict(state_dir=TEST_STATE, run_dir=TEST_RUN, store=TEST_STORE,
+                cgroup_subtree=TEST_SUBTREE, scratch_size="16GiB", reaper_interval=0.5)
+    base.update(kw)
+    return NodeConfig(**base)
+
+
+def _ensure_images() -> None:
+    """Test images, built once into a store kept between runs (/var/tmp)."""
+    from corral.images import build
+    from corral.images.store import LayerStore
+
+    store = LayerStore(TEST_STORE)
+    names = {i.name for i in store.images()}
+    if "test/debian" not in names:
+        layer = build.build_debian(store, "bookworm", include=["python3"])
+        store.put_image("test/debian", [layer.digest])
+    if "test/busybox" not in names:
+        tmp = TEST_STORE / "tmp" / "busybox-src"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in ("bin", "etc", "tmp", "root", "work", "proc", "sys", "dev"):
+            (tmp / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy("/bin/busybox", tmp / "bin" / "busybox")
+        for applet in ("sh", "ls", "cat", "echo", "true", "false", "sleep", "dd", "yes", "id",
+                       "head", "wc", "mkdir", "rm", "touch", "env", "pwd", "ps", "kill", "seq"):
+            os.symlink("busybox", tmp / "bin" / applet)
+        (tmp / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                            "nobody:x:65534:65534:nobody:/:/bin/false\n"
+                                            "alice:x:1000:1000::/work:/bin/sh\n")
+        (tmp / "etc" / "group").write_text("root:x:0:\nalice:x:1000:\n")
+        os.chmod(tmp / "tmp", 0o1777)
+        layer = build.build_dir(store, tmp)
+        store.put_image("test/busybox", [layer.digest])
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def images_ready() -> None:
+    _ensure_images()
+
+
+@pytest.fixture(scope="session")
+async def node(images_ready):  # type: ignore[no-untyped-def]
+    from corral.node import Node
+
+    n = await Node.open(node_config())
+    await n.gc(everything=True)  # leftovers of an earlier, crashed run
+    try:
+        yield n
+    finally:
+        for info in await n.sandbox_list():
+            await n.sandbox_destroy(info.id)
+        await n.close()
+        if TEST_RUN.exists():
+            shutil.rmtree(TEST_RUN, ignore_errors=True)
+
+
+@pytest.fixture
+async def client(node):  # type: ignore[no-untyped-def]
+    import corral
+
+    async with corral.AsyncClient(ops=node, own_ops=False) as c:
+        yield c
