@@ -74,7 +74,8 @@ def validation_message(err: Exception) -> str:
     parts = []
     for e in errors():
         loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",)) or "request"
-        parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
 
 

@@ -184,7 +184,7 @@ async def test_bad_input(client, node):
     with pytest.raises(corral.SandboxNotFound):
         await client.sandboxes.get("sb-doesnotexist")
     with pytest.raises(corral.InvalidRequest):
-        await client.sandboxes.create(image="test/debian", limits=corral.Limits(memory="lots"))
+        await client.sandboxes.create(image="test/debian", limits={"memory": "lots"})
     before = len(await node.sandbox_list())
     with pytest.raises(Exception):
         SandboxSpec(image="test/debian", labels={"bad key!": "x"})

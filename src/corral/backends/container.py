@@ -100,7 +100,9 @@ class ContainerBackend:
         self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo, undo: list[Callable[[], object]]
     ) -> int:
         d = self.dir(sandbox_id)
-        d.mkdir(mode=0o700)
+        # 0711: runc in the user namespace must traverse it as the mapped uid; no listing.
+        d.mkdir(mode=0o711)
+        os.chmod(d, 0o711)
         undo.append(lambda: _remove_dir(d))
 
         lowers: list[Path] = []
@@ -138,9 +140,9 @@ class ContainerBackend:
                 id_count=self.id_count,
                 annotations={"corral.sandbox": sandbox_id, "corral.image": image.digest},
             )
-            bundle = oci.write_bundle(d, config)
+            oci.write_bundle(d, config)
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
-            await self.runtime.run_detached(sandbox_id, bundle, pass_fd=lsock.fileno())
+            await self.runtime.run_detached(sandbox_id, d, pass_fd=lsock.fileno())
         finally:
             # The init holds its own copy of the listening socket now; ours must go so that
             # the socket dies with the sandbox.

@@ -1,0 +1,92 @@
+"""corral: elastic, isolated Linux sandboxes for training and evaluating AI agents.
+
+Example:
+    >>> import corral
+    >>> async with corral.AsyncClient() as client:                            # doctest: +SKIP
+    ...     image = await client.images.get("demo/python")
+    ...     sb = await client.sandboxes.create(image=image, limits=corral.Limits(memory="1GiB"))
+    ...     r = await sb.exec(["python", "-c", "print(1+1)"], timeout=30)
+    ...     await sb.destroy()
+
+``corral.Client`` is the same API, blocking. Importing corral stays light: the embedded
+node, the HTTP transport and the API server are imported when first used.
+"""
+
+import importlib.metadata as _metadata
+
+from corral.errors import (
+    BuildError,
+    CapacityError,
+    Conflict,
+    CorralError,
+    HostError,
+    ImageNotFound,
+    InvalidRequest,
+    LayerCorrupt,
+    LayerNotFound,
+    NotFound,
+    PathRefused,
+    ProcessNotFound,
+    SandboxError,
+    SandboxNotFound,
+    TransportError,
+    Unauthorized,
+)
+from corral.sdk import AsyncClient, Client, Process, Sandbox, Shell
+from corral.spec import (
+    Event,
+    ExecChunk,
+    ExecResult,
+    FileStat,
+    ImageInfo,
+    LayerInfo,
+    Limits,
+    NodeStatus,
+    ProcessInfo,
+    SandboxInfo,
+    SandboxSpec,
+)
+
+try:
+    __version__ = _metadata.version("corral")
+except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "__version__",
+    # clients and handles
+    "AsyncClient",
+    "Client",
+    "Sandbox",
+    "Shell",
+    "Process",
+    # models
+    "Limits",
+    "SandboxSpec",
+    "SandboxInfo",
+    "ExecResult",
+    "ExecChunk",
+    "ProcessInfo",
+    "ImageInfo",
+    "LayerInfo",
+    "FileStat",
+    "Event",
+    "NodeStatus",
+    # errors
+    "CorralError",
+    "InvalidRequest",
+    "PathRefused",
+    "NotFound",
+    "SandboxNotFound",
+    "ImageNotFound",
+    "LayerNotFound",
+    "ProcessNotFound",
+    "Conflict",
+    "CapacityError",
+    "SandboxError",
+    "BuildError",
+    "LayerCorrupt",
+    "HostError",
+    "Unauthorized",
+    "TransportError",
+]

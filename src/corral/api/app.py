@@ -1,0 +1,490 @@
+"""The node's REST API: a FastAPI app that translates HTTP into ``NodeOps`` calls.
+
+It only parses: every route turns a request into typed arguments, makes one call on the
+``NodeOps`` it was given (which alone decides what is allowed) and serialises the answer.
+Wire format: the JSON of :mod:`corral.spec` models (bytes as base64), raw bytes for file
+contents and tars, NDJSON for streaming exec, ``{"error": {"kind", "message"}}`` on error.
+
+Example:
+    >>> from corral.testing import FakeNode
+    >>> app = create_app(FakeNode(), token="s3cret")
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
+from corral.ops import NodeOps
+from corral.spec import (
+    Event,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    ImageInfo,
+    LayerInfo,
+    NodeStatus,
+    ProcessInfo,
+    SandboxInfo,
+    SandboxSpec,
+    ShellInfo,
+)
+
+__all__ = ["create_app", "ComposeRequest", "ShellOpenRequest", "ShellRunRequest"]
+
+log = logging.getLogger("corral.api")
+
+_RAW_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+_RAW_ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "raw bytes"}
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+
+class ComposeRequest(_Body):
+    """Body of ``POST /v1/images``."""
+
+    name: str = Field(min_length=1, max_length=300)
+    layers: list[str] = Field(min_length=1)
+    """Layer digests, bottom first."""
+    env: dict[str, str] | None = None
+    workdir: str = "/"
+
+
+class ShellOpenRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/shells``."""
+
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+
+
+class ShellRunRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/shells/{shell_id}/run``."""
+
+    command: str
+    timeout: float | None = Field(None, gt=0, le=7 * 86400)
+    stdin: bytes | None = None
+
+
+# ------------------------------------------------------------------- helpers
+def _version() -> str:
+    try:
+        return importlib.metadata.version("corral")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    # pydantic writes the JSON itself (bytes as base64); FastAPI's response_model only
+    # documents the shape, it does not re-validate on this path
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _json_list(models: list[Any]) -> Response:
+    body = b"[" + b",".join(m.model_dump_json().encode() for m in models) + b"]"
+    return Response(body, media_type="application/json")
+
+
+def _wire(err: CorralError, status: int | None = None) -> JSONResponse:
+    return JSONResponse(err.to_wire(), status_code=status or err.status)
+
+
+def _parse_labels(label: list[str]) -> dict[str, str] | None:
+    out: dict[str, str] = {}
+    for item in label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"label: {item!r} must be key=value")
+        out[key] = value
+    return out or None
+
+
+def _field_message(errors: Any) -> str:
+    """``limits.memory: Value error, 'lots' is not a size...``: the field path without
+    where it came from (body/query/path), then pydantic's words, as in
+    ``corral.spec.validation_message`` (which cannot see FastAPI's JSON errors)."""
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            source, loc = loc[0], loc[1:]
+        else:
+            source = "request"
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"body is not valid JSON: {detail} at position {loc[0] if loc else '?'}")
+            continue
+        where = ".".join(loc) or source
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+class _BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than the node's limit of {limit} bytes")
+
+
+# --------------------------------------------------------------- middleware
+class _BearerAuth:
+    """Every route requires ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            # constant-time: a timing difference would let a caller guess the token bytewise
+            if not hmac.compare_digest(got, self._expected):
+                resp = _wire(Unauthorized("missing or wrong bearer token"))
+                resp.headers["www-authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuse bodies over ``max_body`` bytes: by Content-Length up front, else while read."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            exc = _BodyTooLarge(self.max_body)
+            await _wire(InvalidRequest(exc.detail), 413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_body:
+                # an HTTPException passes through FastAPI's body parsing untouched and
+                # reaches the handler below, which answers 413
+                raise _BodyTooLarge(self.max_body)
+            return msg
+
+        await self.app(scope, limited, send)
+
+
+class _CatchAll:
+    """An unexpected exception becomes a logged 500, never a dead connection or server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception:
+            log.exception("internal error serving %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # too late for a status: let the server drop the connection
+            await _wire(CorralError("internal error (logged on the node)"))(scope, receive, send)
+
+
+# -------------------------------------------------------------- the app
+def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 30) -> FastAPI:
+    """Build the API app over ``ops``. ``token``: require ``Authorization: Bearer``."""
+    app = FastAPI(
+        title="corral node API",
+        version=_version(),
+        docs_url="/docs",
+        redoc_url=None,
+        description="Sandboxes, exec, files and events of one corral node.",
+    )
+    app.include_router(_routes(ops), prefix="/v1")
+
+    async def corral_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, CorralError)
+        return _wire(exc)
+
+    async def validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _wire(InvalidRequest(_field_message(exc.errors())), 422)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            err: CorralError = NotFound(f"no route {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            err = InvalidRequest(f"method {request.method} is not allowed on {request.url.path}")
+        else:
+            err = InvalidRequest(str(exc.detail))
+        return _wire(err, exc.status_code)
+
+    app.add_exception_handler(CorralError, corral_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    # added last = outermost: auth first (refuse before reading a body), then the catch-all
+    app.add_middleware(_BodyLimit, max_body=max_body)
+    app.add_middleware(_CatchAll)
+    if token:
+        app.add_middleware(_BearerAuth, token=token)
+    return app
+
+
+def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per route
+    r = APIRouter()
+    sb = "/sandboxes/{sandbox_id}"
+
+    # --- images
+    @r.get("/images", response_model=list[ImageInfo], tags=["images"])
+    async def image_list() -> Response:
+        return _json_list(await ops.image_list())
+
+    @r.post("/images", response_model=ImageInfo, status_code=201, tags=["images"])
+    async def image_compose(body: ComposeRequest) -> Response:
+        img = await ops.image_compose(body.name, body.layers, env=body.env, workdir=body.workdir)
+        return _json(img, 201)
+
+    @r.get("/images/{name:path}", response_model=ImageInfo, tags=["images"])
+    async def image_get(name: str) -> Response:
+        return _json(await ops.image_get(name))
+
+    @r.delete("/images/{name:path}", status_code=204, tags=["images"])
+    async def image_remove(name: str) -> Response:
+        await ops.image_remove(name)
+        return Response(status_code=204)
+
+    @r.get("/layers", response_model=list[LayerInfo], tags=["images"])
+    async def layer_list() -> Response:
+        return _json_list(await ops.layer_list())
+
+    # --- lifecycle
+    @r.post("/sandboxes", response_model=SandboxInfo, status_code=201, tags=["sandboxes"])
+    async def sandbox_create(spec: SandboxSpec) -> Response:
+        return _json(await ops.sandbox_create(spec), 201)
+
+    @r.get("/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
+    async def sandbox_list(
+        label: list[str] = Query([], description="key=value; repeat to require several"),
+    ) -> Response:
+        return _json_list(await ops.sandbox_list(_parse_labels(label)))
+
+    @r.get(sb, response_model=SandboxInfo, tags=["sandboxes"])
+    async def sandbox_get(sandbox_id: str) -> Response:
+        return _json(await ops.sandbox_get(sandbox_id))
+
+    @r.delete(sb, status_code=204, tags=["sandboxes"])
+    async def sandbox_destroy(sandbox_id: str) -> Response:
+        await ops.sandbox_destroy(sandbox_id)
+        return Response(status_code=204)
+
+    # --- exec
+    @r.post(sb + "/exec", response_model=ExecResult, tags=["exec"])
+    async def exec_(sandbox_id: str, req: ExecRequest) -> Response:
+        return _json(await ops.exec(sandbox_id, req))
+
+    @r.post(
+        sb + "/exec/stream",
+        tags=["exec"],
+        responses={
+            200: {
+                "content": {"application/x-ndjson": {}},
+                "description": (
+                    'lines {"stream": "stdout"|"stderr", "data": base64}, then {"result": ExecResult}'
+                    ' or {"error": {"kind", "message"}}'
+                ),
+            }
+        },
+    )
+    async def exec_stream(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
+        it = aiter(ops.exec_stream(sandbox_id, req))
+        # read the first item before answering so that an error that comes before any
+        # output (unknown sandbox, bad user) gets its own status instead of a 200 stream
+        try:
+            first = await anext(it)
+        except StopAsyncIteration:
+            raise SandboxError("exec stream ended without a result") from None
+        return StreamingResponse(_ndjson(first, it), media_type="application/x-ndjson")
+
+    @r.post(sb + "/processes", response_model=ProcessInfo, status_code=201, tags=["exec"])
+    async def spawn(sandbox_id: str, req: ExecRequest) -> Response:
+        return _json(await ops.spawn(sandbox_id, req), 201)
+
+    @r.get(sb + "/processes", response_model=list[ProcessInfo], tags=["exec"])
+    async def process_list(sandbox_id: str) -> Response:
+        return _json_list(await ops.process_list(sandbox_id))
+
+    @r.get(sb + "/processes/{process_id}", response_model=ProcessInfo, tags=["exec"])
+    async def process_get(
+        sandbox_id: str,
+        process_id: str,
+        wait: float | None = Query(None, ge=0, le=3600, description="seconds to wait for it"),
+    ) -> Response:
+        return _json(await ops.process_get(sandbox_id, process_id, wait=wait))
+
+    @r.post(sb + "/processes/{process_id}/kill", status_code=204, tags=["exec"])
+    async def process_kill(
+        sandbox_id: str,
+        process_id: str,
+        sig: int = Query(9, alias="signal", ge=1, le=64),
+    ) -> Response:
+        await ops.process_kill(sandbox_id, process_id, signal=sig)
+        return Response(status_code=204)
+
+    # --- shells
+    @r.post(sb + "/shells", response_model=ShellInfo, status_code=201, tags=["shells"])
+    async def shell_open(sandbox_id: str, body: ShellOpenRequest | None = None) -> Response:
+        body = body or ShellOpenRequest()
+        return _json(await ops.shell_open(sandbox_id, cwd=body.cwd, env=body.env), 201)
+
+    @r.post(sb + "/shells/{shell_id}/run", response_model=ExecResult, tags=["shells"])
+    async def shell_run(sandbox_id: str, shell_id: str, body: ShellRunRequest) -> Response:
+        result = await ops.shell_run(
+            sandbox_id, shell_id, body.command, timeout=body.timeout, stdin=body.stdin
+        )
+        return _json(result)
+
+    @r.delete(sb + "/shells/{shell_id}", status_code=204, tags=["shells"])
+    async def shell_close(sandbox_id: str, shell_id: str) -> Response:
+        await ops.shell_close(sandbox_id, shell_id)
+        return Response(status_code=204)
+
+    # --- files
+    @r.get(sb + "/files", response_class=Response, responses=_RAW_ANSWER, tags=["files"])
+    async def file_read(
+        sandbox_id: str,
+        path: str,
+        offset: int = Query(0, ge=0),
+        length: int | None = Query(None, ge=0),
+    ) -> Response:
+        data = await ops.file_read(sandbox_id, path, offset=offset, length=length)
+        return Response(data, media_type="application/octet-stream")
+
+    @r.put(sb + "/files", status_code=204, openapi_extra=_RAW_BODY, tags=["files"])
+    async def file_write(
+        request: Request,
+        sandbox_id: str,
+        path: str,
+        mode: int = Query(0o644, ge=0, le=0o7777),
+        append: bool = False,
+    ) -> Response:
+        data = await request.body()
+        await ops.file_write(sandbox_id, path, data, mode=mode, append=append)
+        return Response(status_code=204)
+
+    @r.get(sb + "/files/list", response_model=list[FileStat], tags=["files"])
+    async def file_list(sandbox_id: str, path: str) -> Response:
+        return _json_list(await ops.file_list(sandbox_id, path))
+
+    @r.get(sb + "/files/stat", response_model=FileStat, tags=["files"])
+    async def file_stat(sandbox_id: str, path: str) -> Response:
+        return _json(await ops.file_stat(sandbox_id, path))
+
+    @r.delete(sb + "/files", status_code=204, tags=["files"])
+    async def file_remove(sandbox_id: str, path: str, recursive: bool = False) -> Response:
+        await ops.file_remove(sandbox_id, path, recursive=recursive)
+        return Response(status_code=204)
+
+    @r.post(sb + "/files/mkdir", status_code=204, tags=["files"])
+    async def file_mkdir(
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = Query(0o755, ge=0, le=0o7777),
+    ) -> Response:
+        await ops.file_mkdir(sandbox_id, path, parents=parents, mode=mode)
+        return Response(status_code=204)
+
+    @r.put(sb + "/files/tar", status_code=204, openapi_extra=_RAW_BODY, tags=["files"])
+    async def file_upload_tar(request: Request, sandbox_id: str, path: str) -> Response:
+        await ops.file_upload_tar(sandbox_id, path, await request.body())
+        return Response(status_code=204)
+
+    @r.get(sb + "/files/tar", response_class=Response, responses=_RAW_ANSWER, tags=["files"])
+    async def file_download_tar(sandbox_id: str, path: str) -> Response:
+        data = await ops.file_download_tar(sandbox_id, path)
+        return Response(data, media_type="application/x-tar")
+
+    # --- events and node
+    @r.get("/events", response_model=list[Event], tags=["events"])
+    async def events(
+        sandbox_id: str | None = None,
+        since_id: int = Query(0, ge=0),
+        label: list[str] = Query([], description="key=value of the sandboxes' labels"),
+    ) -> Response:
+        found = await ops.events(
+            sandbox_id=sandbox_id, since_id=since_id, labels=_parse_labels(label)
+        )
+        return _json_list(found)
+
+    @r.get(sb + "/events", response_model=list[Event], tags=["events"])
+    async def sandbox_events(sandbox_id: str, since_id: int = Query(0, ge=0)) -> Response:
+        return _json_list(await ops.events(sandbox_id=sandbox_id, since_id=since_id))
+
+    @r.get("/node", response_model=NodeStatus, tags=["node"])
+    async def node_status() -> Response:
+        return _json(await ops.node_status())
+
+    @r.get("/healthz", tags=["node"])
+    async def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    return r
+
+
+async def _ndjson(first: Any, it: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """NDJSON lines of a streaming exec; an error mid-stream becomes an ``error`` line."""
+    try:
+        item = first
+        while True:
+            if isinstance(item, ExecResult):
+                yield b'{"result":' + item.model_dump_json().encode() + b"}\n"
+                return
+            yield item.model_dump_json().encode() + b"\n"
+            item = await anext(it)
+    except StopAsyncIteration:
+        yield _error_line(SandboxError("exec stream ended without a result"))
+    except CorralError as exc:
+        yield _error_line(exc)
+    except Exception:
+        log.exception("internal error in an exec stream")
+        yield _error_line(CorralError("internal error (logged on the node)"))
+    finally:
+        aclose: Callable[[], Awaitable[None]] | None = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _error_line(err: CorralError) -> bytes:
+    return json.dumps(err.to_wire()).encode() + b"\n"

@@ -1,0 +1,363 @@
+"""Sandbox cgroups on cgroup v1, hybrid (v1 controllers + an empty cgroup2) and pure v2.
+
+All of corral's cgroups live below one subtree (``corral`` by default) in every hierarchy;
+nothing outside it is created, changed or removed. Usually the OCI runtime creates the
+sandbox cgroup from ``linux.cgroupsPath`` (see :meth:`Cgroups.oci_path`); the rest of
+this module reads its counters, freezes it, and cleans up after crashes.
+
+Example::
+
+    cg = Cgroups()                       # mode detected: "v1", "hybrid" or "v2"
+    cg.create("sb-1", cpus=1.5, memory=512 << 20, pids=256)
+    cg.add_pid("sb-1", pid)
+    cg.oom_kills("sb-1"), cg.memory_current("sb-1")
+    cg.remove("sb-1")
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+from corral.errors import HostError
+from corral.host._sys import errtext
+
+__all__ = ["detect_mode", "Cgroups", "V1_CONTROLLERS"]
+
+V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "blkio", "cpuset")
+_V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
+_CFS_PERIOD = 100_000  # µs; the kernel's default period
+
+
+def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
+    """(fstype, mount point, super options) of every cgroup/cgroup2 mount."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fstype, _source, opts = (post.split() + ["", "", ""])[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                out.append((fstype, pre.split()[4], set(opts.split(","))))
+    return out
+
+
+def detect_mode() -> Literal["v1", "v2", "hybrid"]:
+    """``v2`` if /sys/fs/cgroup is cgroup2; ``hybrid`` if v1 controllers sit beside a
+    cgroup2 mount; ``v1`` otherwise."""
+    mounts = _cgroup_mounts()
+    if any(t == "cgroup2" and p == "/sys/fs/cgroup" for t, p, _ in mounts):
+        return "v2"
+    has_v1 = any(t == "cgroup" for t, _, _ in mounts)
+    if not has_v1:
+        if any(t == "cgroup2" for t, _, _ in mounts):
+            return "v2"
+        raise HostError("cgroups: neither cgroup v1 nor cgroup2 is mounted")
+    return "hybrid" if any(t == "cgroup2" for t, _, _ in mounts) else "v1"
+
+
+def _check_name(name: str) -> str:
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise HostError(f"cgroups: bad cgroup name {name!r}")
+    return name
+
+
+class Cgroups:
+    """corral's cgroups below ``subtree`` in every hierarchy."""
+
+    def __init__(self, subtree: str = "corral") -> None:
+        self.subtree = _check_name(subtree)
+        self.mode: str = detect_mode()
+        mounts = _cgroup_mounts()
+        # controller -> hierarchy root used to create/read; all_roots: every hierarchy
+        # (named ones, the hybrid cgroup2) a runtime may have created our path in.
+        self._ctrl: dict[str, Path] = {}
+        self.all_roots: list[Path] = []
+        if self.mode == "v2":
+            root = next(Path(p) for t, p, _ in mounts if t == "cgroup2")
+            self.v2_root = root
+            self.all_roots = [root]
+            return
+        for fstype, point, opts in mounts:
+            if fstype == "cgroup2":
+                self.all_roots.append(Path(point))
+                continue
+            if Path(point) not in self.all_roots:
+                self.all_roots.append(Path(point))
+            for ctrl in V1_CONTROLLERS:
+                if ctrl in opts and ctrl not in self._ctrl:
+                    self._ctrl[ctrl] = Path(point)
+        missing = [c for c in ("memory", "pids", "cpu", "freezer") if c not in self._ctrl]
+        if missing:
+            raise HostError(f"cgroups v1: controllers not mounted: {', '.join(missing)}")
+
+    # -- paths ------------------------------------------------------------------------
+
+    def oci_path(self, name: str) -> str:
+        """Value for OCI ``linux.cgroupsPath`` (cgroupfs driver), e.g. ``/corral/<name>``."""
+        return f"/{self.subtree}/{_check_name(name)}"
+
+    def _dir(self, ctrl: str, name: str | None = None) -> Path:
+        if self.mode == "v2":
+            base = self.v2_root / self.subtree
+        else:
+            base = self._ctrl[ctrl] / self.subtree
+        return base if name is None else base / _check_name(name)
+
+    def _dirs(self, name: str | None) -> list[Path]:
+        """The distinct directories of ``name`` (or of the subtree) in every hierarchy."""
+        seen: dict[str, Path] = {}
+        for root in self.all_roots:
+            d = root / self.subtree if name is None else root / self.subtree / _check_name(name)
+            seen.setdefault(os.path.realpath(d), d)
+        return list(seen.values())
+
+    # -- writing ----------------------------------------------------------------------
+
+    @staticmethod
+    def _write(path: Path, value: str) -> None:
+        try:
+            # Safe: every path written is a control file below corral's subtree.
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise HostError(
+                f"cgroups: writing {value!r} to {path}: {errtext(e.errno or 0)}"
+            ) from None
+
+    @staticmethod
+    def _read(path: Path) -> str:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError as e:
+            raise HostError(f"cgroups: reading {path}: {errtext(e.errno or 0)}") from None
+
+    def _ensure_subtree(self) -> None:
+        if self.mode == "v2":
+            self._ensure_v2_subtree()
+            return
+        for ctrl, root in self._ctrl.items():
+            d = root / self.subtree
+            d.mkdir(exist_ok=True)
+            if ctrl == "cpuset":
+                self._copy_cpuset(root, d)
+
+    def _copy_cpuset(self, parent: Path, child: Path) -> None:
+        # v1 cpuset: a new cgroup starts with no cpus and no mems, and refuses tasks.
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            if not self._read(child / f).strip():
+                self._write(child / f, self._read(parent / f).strip())
+
+    def _ensure_v2_subtree(self) -> None:
+        sub = self.v2_root / self.subtree
+        available = set(self._read(self.v2_root / "cgroup.controllers").split())
+        wanted = [c for c in _V2_CONTROLLERS if c in available]
+        for d in (self.v2_root, sub):
+            d.mkdir(exist_ok=True)
+            enabled = set(self._read(d / "cgroup.subtree_control").split())
+            todo = [c for c in wanted if c not in enabled]
+            if todo:
+                # Safe: only enables controllers for children; limits nobody by itself.
+                self._write(d / "cgroup.subtree_control", " ".join("+" + c for c in todo))
+
+    def create(
+        self, name: str, *, cpus: float, memory: int, pids: int, swap: int | None = 0
+    ) -> None:
+        """Create cgroup ``name`` with limits: ``cpus`` (<=0: none), ``memory`` bytes,
+        ``pids`` (max tasks), ``swap`` bytes beyond memory (None: unlimited)."""
+        self._ensure_subtree()
+        try:
+            if self.mode == "v2":
+                self._create_v2(name, cpus, memory, pids, swap)
+            else:
+                self._create_v1(name, cpus, memory, pids, swap)
+        except BaseException:
+            self.remove(name)
+            raise
+
+    def _create_v1(self, name: str, cpus: float, memory: int, pids: int, swap: int | None) -> None:
+        for ctrl in self._ctrl:
+            d = self._dir(ctrl, name)
+            try:
+                d.mkdir()
+            except FileExistsError:
+                pass
+            if ctrl == "cpuset":
+                self._copy_cpuset(d.parent, d)
+        cpu = self._dir("cpu", name)
+        if cpus > 0:
+            self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
+            self._write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * _CFS_PERIOD))))
+        mem = self._dir("memory", name)
+        self._write(mem / "memory.limit_in_bytes", str(memory))
+        if (mem / "memory.memsw.limit_in_bytes").exists():
+            # memsw counts memory + swap, so it must come after (and be >=) the limit.
+            memsw = "-1" if swap is None else str(memory + swap)
+            self._write(mem / "memory.memsw.limit_in_bytes", memsw)
+        self._write(self._dir("pids", name) / "pids.max", str(pids))
+
+    def _create_v2(self, name: str, cpus: float, memory: int, pids: int, swap: int | None) -> None:
+        d = self._dir("", name)
+        try:
+            d.mkdir()
+        except FileExistsError:
+            pass
+        if cpus > 0:
+            self._write(d / "cpu.max", f"{max(1000, int(cpus * _CFS_PERIOD))} {_CFS_PERIOD}")
+        self._write(d / "memory.max", str(memory))
+        if (d / "memory.swap.max").exists():
+            self._write(d / "memory.swap.max", "max" if swap is None else str(swap))
+        self._write(d / "pids.max", str(pids))
+
+    def set_memory(self, name: str, memory: int, swap: int | None = 0) -> None:
+        """Change the memory (and swap) limit, e.g. squeeze a paused sandbox into swap."""
+        if self.mode == "v2":
+            d = self._dir("", name)
+            self._write(d / "memory.max", str(memory))
+            if (d / "memory.swap.max").exists():
+                self._write(d / "memory.swap.max", "max" if swap is None else str(swap))
+            return
+        mem = self._dir("memory", name)
+        limit, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
+        if not memsw.exists():
+            self._write(limit, str(memory))
+            return
+        # The kernel keeps memsw >= limit at every step: raise memsw first when growing.
+        new_memsw = "-1" if swap is None else str(memory + swap)
+        if memory > int(self._read(limit)):
+            self._write(memsw, new_memsw)
+            self._write(limit, str(memory))
+        else:
+            self._write(limit, str(memory))
+            self._write(memsw, new_memsw)
+
+    def add_pid(self, name: str, pid: int) -> None:
+        """Move ``pid`` into cgroup ``name`` in every controller."""
+        if self.mode == "v2":
+            self._write(self._dir("", name) / "cgroup.procs", str(pid))
+            return
+        for ctrl in self._ctrl:
+            self._write(self._dir(ctrl, name) / "cgroup.procs", str(pid))
+
+    # -- reading ----------------------------------------------------------------------
+
+    @staticmethod
+    def _keyed(text: str, key: str) -> int:
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+        return 0
+
+    def oom_kills(self, name: str) -> int:
+        """How many processes the OOM killer killed in the cgroup."""
+        if self.mode == "v2":
+            return self._keyed(self._read(self._dir("", name) / "memory.events"), "oom_kill")
+        return self._keyed(self._read(self._dir("memory", name) / "memory.oom_control"), "oom_kill")
+
+    def memory_current(self, name: str) -> int:
+        """Bytes of memory charged to the cgroup now."""
+        if self.mode == "v2":
+            return int(self._read(self._dir("", name) / "memory.current"))
+        return int(self._read(self._dir("memory", name) / "memory.usage_in_bytes"))
+
+    def pids_current(self, name: str) -> int:
+        """Tasks (threads included) in the cgroup and below."""
+        return int(self._read(self._dir("pids", name) / "pids.current"))
+
+    def procs(self, name: str) -> list[int]:
+        """Pids of the processes directly in the cgroup."""
+        text = self._read(self._dir("pids" if self.mode != "v2" else "", name) / "cgroup.procs")
+        return [int(x) for x in text.split()]
+
+    def exists(self, name: str) -> bool:
+        """True if the cgroup exists (in the memory hierarchy, or in the v2 tree)."""
+        return self._dir("memory", name).is_dir()
+
+    # -- freezing ---------------------------------------------------------------------
+
+    def freeze(self, name: str, timeout: float = 5.0) -> None:
+        """Freeze every task of the cgroup and wait until the kernel reports it frozen."""
+        self._set_frozen(name, True, timeout)
+
+    def thaw(self, name: str, timeout: float = 5.0) -> None:
+        """Thaw the cgroup."""
+        self._set_frozen(name, False, timeout)
+
+    def _set_frozen(self, name: str, frozen: bool, timeout: float) -> None:
+        if self.mode == "v2":
+            d = self._dir("", name)
+            self._write(d / "cgroup.freeze", "1" if frozen else "0")
+            done = lambda: self._keyed(self._read(d / "cgroup.events"), "frozen") == int(frozen)  # noqa: E731
+        else:
+            d = self._dir("freezer", name)
+            want = "FROZEN" if frozen else "THAWED"
+            self._write(d / "freezer.state", want)
+            done = lambda: self._read(d / "freezer.state").strip() == want  # noqa: E731
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise HostError(
+                    f"cgroups: {name} not {'frozen' if frozen else 'thawed'} after {timeout:g}s"
+                )
+            time.sleep(0.001)
+
+    # -- cleanup ----------------------------------------------------------------------
+
+    def remove(self, name: str, timeout: float = 1.0) -> None:
+        """Remove cgroup ``name`` (and any children) in every hierarchy; missing is fine.
+
+        Kills nothing: the caller kills first. Tasks that were just killed may take a
+        moment to leave, so EBUSY is retried until ``timeout``.
+        """
+        for d in self._dirs(name):
+            if not d.is_dir():
+                continue
+            children = [Path(root) for root, _, _ in os.walk(d, topdown=False)]
+            for c in children:
+                self._rmdir(c, timeout)
+
+    @staticmethod
+    def _rmdir(d: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                # Safe: a cgroup below corral's subtree; rmdir fails rather than kill.
+                os.rmdir(d)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise HostError(
+                        f"cgroups: cannot remove {d}: {errtext(e.errno or 0)} (tasks still in it?)"
+                    ) from None
+                time.sleep(0.005)
+
+    def list(self) -> list[str]:
+        """Names of sandbox cgroups under the subtree in any hierarchy (for gc / leaks)."""
+        names: set[str] = set()
+        for d in self._dirs(None):
+            try:
+                with os.scandir(d) as it:
+                    names.update(e.name for e in it if e.is_dir(follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+        return sorted(names)
+
+    def remove_subtree_if_empty(self) -> None:
+        """rmdir the subtree in every hierarchy where it has no child cgroups."""
+        for d in self._dirs(None):
+            try:
+                os.rmdir(d)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.EBUSY, errno.ENOTEMPTY):
+                    raise HostError(
+                        f"cgroups: cannot remove {d}: {errtext(e.errno or 0)}"
+                    ) from None

@@ -1,0 +1,185 @@
+"""Per-node, refcounted mounts of EROFS layers: each layer is mounted once and shared.
+
+Every sandbox using a layer reads it through the same mount (one page cache, nothing
+copied). A layer lives at ``<mount_root>/raw/<hex>``; when sandboxes run in a user
+namespace it is also cloned, idmapped to that namespace, at ``<mount_root>/idmap/<hex>``
+— the directory handed to overlayfs as a lower — so host-root files appear owned by the
+sandbox's root.
+
+Example::
+
+    layers = LayerMounts(Path("/run/corral/layers"), store.path_of, store.verify, userns)
+    lower = layers.acquire("sha256:ab12...")    # mounts on first use
+    ...                                          # overlay over ``lower``
+    layers.release("sha256:ab12...")            # unmounted when the last user goes
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from corral.errors import HostError, InvalidRequest
+from corral.host import mounts
+from corral.host.userns import UserNamespace
+
+__all__ = ["LayerMounts"]
+
+
+def _hex(digest: str) -> str:
+    algo, sep, value = digest.partition(":")
+    hexpart = value if sep else algo
+    if not hexpart or not all(c in "0123456789abcdef" for c in hexpart) or len(hexpart) > 128:
+        raise InvalidRequest(f"bad layer digest {digest!r} (want sha256:<hex>)")
+    return hexpart
+
+
+class LayerMounts:
+    """Refcounted EROFS layer mounts under ``mount_root`` (thread-safe)."""
+
+    def __init__(
+        self,
+        mount_root: Path,
+        resolve: Callable[[str], Path],
+        verify: Callable[[str], None],
+        userns: UserNamespace | None,
+    ) -> None:
+        self.mount_root = Path(mount_root)
+        self.raw_root = self.mount_root / "raw"
+        self.idmap_root = self.mount_root / "idmap"
+        self._resolve = resolve
+        self._verify = verify
+        self._userns = userns
+        self._lock = threading.Lock()  # guards _counts and _locks
+        self._counts: dict[str, int] = {}
+        # One lock per digest, so a slow first mount (verify hashes the whole file)
+        # of one layer does not hold up acquires of others.
+        self._locks: dict[str, threading.Lock] = {}
+        self.raw_root.mkdir(parents=True, exist_ok=True)
+        if userns is not None:
+            self.idmap_root.mkdir(parents=True, exist_ok=True)
+
+    def _digest_lock(self, digest: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(digest, threading.Lock())
+
+    def _paths(self, digest: str) -> tuple[Path, Path]:
+        h = _hex(digest)
+        return self.raw_root / h, self.idmap_root / h
+
+    def _lower(self, digest: str) -> Path:
+        raw, idm = self._paths(digest)
+        return idm if self._userns is not None else raw
+
+    def acquire(self, digest: str) -> Path:
+        """Take a reference to layer ``digest``; returns the directory to use as a lower.
+
+        The first acquire on this node verifies the layer file against its digest and
+        mounts it; later ones only count.
+        """
+        raw, idm = self._paths(digest)
+        with self._digest_lock(digest):
+            with self._lock:
+                if self._counts.get(digest, 0) > 0:
+                    self._counts[digest] += 1
+                    return self._lower(digest)
+            self._mount(digest, raw, idm, verify=True)
+            with self._lock:
+                self._counts[digest] = 1
+        return self._lower(digest)
+
+    def _mount(self, digest: str, raw: Path, idm: Path, verify: bool) -> None:
+        if not mounts.is_mountpoint(raw):
+            image = self._resolve(digest)
+            if verify:
+                self._verify(digest)  # raises LayerCorrupt before anything is mounted
+            raw.mkdir(exist_ok=True)
+            mounts.mount_erofs(image, raw)
+        if self._userns is not None and not mounts.is_mountpoint(idm):
+            idm.mkdir(exist_ok=True)
+            try:
+                mounts.mount_idmapped(raw, idm, self._userns.fd)
+            except HostError:
+                self._unmount(raw, idm)
+                raise
+
+    def release(self, digest: str) -> None:
+        """Drop a reference; the last one unmounts the layer.
+
+        Overlays already built on the layer keep working: overlayfs holds its own
+        reference to each lower.
+        """
+        raw, idm = self._paths(digest)
+        with self._digest_lock(digest):
+            with self._lock:
+                n = self._counts.get(digest, 0)
+                if n <= 0:
+                    raise HostError(f"layer {digest} released more often than acquired")
+                if n > 1:
+                    self._counts[digest] = n - 1
+                    return
+            self._unmount(raw, idm)
+            with self._lock:
+                del self._counts[digest]
+
+    @staticmethod
+    def _unmount(raw: Path, idm: Path) -> None:
+        for p in (idm, raw):
+            mounts.umount(p)
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+    def adopt(self, counts: dict[str, int]) -> None:
+        """Take over the mounts left by a previous agent, with these refcounts.
+
+        Mounts under ``mount_root`` of layers not in ``counts`` are unmounted; layers in
+        ``counts`` that are not (fully) mounted are mounted again (after verification).
+        """
+        wanted = {_hex(d): d for d, n in counts.items() if n > 0}
+        for point in mounts.mounts_under(self.mount_root):
+            if point == self.mount_root:
+                continue  # the root itself may be a (private) mount made by the node
+            if point.parent not in (self.raw_root, self.idmap_root):
+                mounts.umount(point, detach=True)  # nothing of ours lives elsewhere
+                continue
+            if point.name not in wanted or (
+                point.parent == self.idmap_root and self._userns is None
+            ):
+                mounts.umount(point, detach=True)
+        for root in (self.idmap_root, self.raw_root):
+            if root.is_dir():
+                for entry in root.iterdir():
+                    if entry.name not in wanted and not mounts.is_mountpoint(entry):
+                        try:
+                            entry.rmdir()
+                        except OSError:
+                            pass
+        with self._lock:
+            self._counts = {}
+        for h, digest in wanted.items():
+            raw, idm = self.raw_root / h, self.idmap_root / h
+            with self._digest_lock(digest):
+                self._mount(digest, raw, idm, verify=not mounts.is_mountpoint(raw))
+                with self._lock:
+                    self._counts[digest] = counts[digest]
+
+    def mounted(self) -> dict[str, int]:
+        """{digest: refcount} of the layers mounted now."""
+        with self._lock:
+            return dict(self._counts)
+
+    def unmount_all(self) -> None:
+        """Unmount every layer (node shutdown); refcounts are forgotten."""
+        with self._lock:
+            digests = list(self._counts)
+            self._counts = {}
+        for d in digests:
+            raw, idm = self._paths(d)
+            with self._digest_lock(d):
+                self._unmount(raw, idm)
+        for point in mounts.mounts_under(self.mount_root):
+            if point != self.mount_root:
+                mounts.umount(point, detach=True)

@@ -1,0 +1,492 @@
+"""Handles on one sandbox: ``Sandbox`` and what hangs off it (processes, shells, files).
+
+Every handle holds the ``NodeOps`` it came from and the ids it needs, nothing else: all
+state lives on the node, so a handle is cheap and can be rebuilt from an id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import io
+import os
+import posixpath
+import tarfile
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from pydantic import ValidationError
+
+from corral.errors import InvalidRequest, NotFound, SandboxError
+from corral.ops import NodeOps
+from corral.spec import (
+    Event,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    ProcessInfo,
+    SandboxInfo,
+    ShellInfo,
+    validation_message,
+)
+
+__all__ = ["Sandbox", "ExecStream", "Process", "Shell", "Files"]
+
+# Handles are made by the client (named constructors); a bare ``Sandbox(...)`` would be a
+# handle on nothing, so __init__ refuses callers that do not hold this key.
+_KEY = object()
+
+# Process.wait(None) polls in slices so that no single request outlives HTTP idle timeouts.
+_WAIT_SLICE = 60.0
+
+
+def invalid_request(exc: ValidationError) -> InvalidRequest:
+    """Turn a pydantic error into InvalidRequest naming each field (``limits.memory: ...``)."""
+    return InvalidRequest(validation_message(exc))
+
+
+def _check_key(key: object, what: str) -> None:
+    if key is not _KEY:
+        raise TypeError(f"{what} handles are not built directly; {_HOW[what]}")
+
+
+_HOW = {
+    "Sandbox": "use client.sandboxes.create(), .get() or .list()",
+    "ExecStream": "use sandbox.exec_stream()",
+    "Process": "use sandbox.spawn() or sandbox.processes()",
+    "Shell": "use sandbox.shell()",
+    "Files": "use sandbox.files",
+}
+
+
+def _to_bytes(data: bytes | str | None) -> bytes | None:
+    return data.encode() if isinstance(data, str) else data
+
+
+def exec_request(
+    cmd: Sequence[str] | str,
+    *,
+    stdin: bytes | str | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | int | None = None,
+    timeout: float | None = None,
+    output_limit: int | str | None = None,
+) -> ExecRequest:
+    """Build and validate an ExecRequest; a str ``cmd`` runs through ``/bin/sh -c``."""
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    try:
+        return ExecRequest.model_validate(
+            {
+                "cmd": argv,
+                "stdin": _to_bytes(stdin),
+                "env": dict(env or {}),
+                "cwd": cwd,
+                "user": None if user is None else str(user),
+                "timeout": timeout,
+                "output_limit": output_limit,
+            }
+        )
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+
+
+class Sandbox:
+    """A handle on one sandbox.
+
+    Example:
+        >>> sb = await client.sandboxes.create(image="demo/python", ttl=600)  # doctest: +SKIP
+        >>> (await sb.exec("echo hi")).stdout                                 # doctest: +SKIP
+        b'hi\\n'
+        >>> await sb.destroy()                                                # doctest: +SKIP
+
+    ``async with sb:`` destroys the sandbox when the block ends.
+    """
+
+    __slots__ = ("_ops", "_info", "_files")
+
+    def __init__(self, ops: NodeOps, info: SandboxInfo, _key: object = None) -> None:
+        _check_key(_key, "Sandbox")
+        self._ops = ops
+        self._info = info
+        self._files = Files(ops, info.id, _KEY)
+
+    @classmethod
+    def _wrap(cls, ops: NodeOps, info: SandboxInfo) -> Sandbox:
+        return cls(ops, info, _KEY)
+
+    @classmethod
+    async def _from_id(cls, ops: NodeOps, sandbox_id: str) -> Sandbox:
+        return cls(ops, await ops.sandbox_get(sandbox_id), _KEY)
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """What the node said about this sandbox last time (see ``refresh``)."""
+        return self._info
+
+    @property
+    def files(self) -> Files:
+        return self._files
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, image={self._info.image!r}, state={self._info.state!r})"
+
+    async def refresh(self) -> SandboxInfo:
+        self._info = await self._ops.sandbox_get(self.id)
+        return self._info
+
+    async def exec(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        output_limit: int | str | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` to completion and return how it ended (never raises on exit status)."""
+        req = exec_request(
+            cmd,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
+        return await self._ops.exec(self.id, req)
+
+    def exec_stream(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        output_limit: int | str | None = None,
+    ) -> ExecStream:
+        """Run ``cmd`` and iterate its output as it comes.
+
+        Example:
+            >>> async with sb.exec_stream(["make", "test"]) as stream:  # doctest: +SKIP
+            ...     async for chunk in stream:
+            ...         print(chunk.stream, chunk.data)
+            >>> stream.result.exit_code                               # doctest: +SKIP
+        """
+        req = exec_request(
+            cmd,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
+        return ExecStream(self._ops, self.id, req, _KEY)
+
+    async def spawn(
+        self,
+        cmd: Sequence[str] | str,
+        *,
+        stdin: bytes | str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        output_limit: int | str | None = None,
+    ) -> Process:
+        """Start ``cmd`` in the background and return at once."""
+        req = exec_request(
+            cmd,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            output_limit=output_limit,
+        )
+        return Process(self._ops, self.id, await self._ops.spawn(self.id, req), _KEY)
+
+    async def processes(self) -> builtins.list[Process]:
+        """Background processes started with ``spawn`` (running or ended)."""
+        return [Process(self._ops, self.id, p, _KEY) for p in await self._ops.process_list(self.id)]
+
+    async def shell(self, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Shell:
+        """Open a shell session whose cwd and environment persist between ``run`` calls."""
+        info = await self._ops.shell_open(self.id, cwd=cwd, env=dict(env) if env else None)
+        return Shell(self._ops, self.id, info, _KEY)
+
+    async def events(self) -> builtins.list[Event]:
+        return await self._ops.events(sandbox_id=self.id)
+
+    async def destroy(self) -> None:
+        await self._ops.sandbox_destroy(self.id)
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.destroy()
+        except NotFound:
+            pass  # already gone (destroyed in the block, or reaped by its TTL)
+
+
+class ExecStream:
+    """Output of a streaming exec: an async iterator of ExecChunk; ``result`` at the end.
+
+    Leaving the ``async with`` block early stops reading; the node then ends the command.
+    """
+
+    __slots__ = ("_ops", "_sandbox_id", "_req", "_it", "result")
+
+    def __init__(self, ops: NodeOps, sandbox_id: str, req: ExecRequest, _key: object = None):
+        _check_key(_key, "ExecStream")
+        self._ops, self._sandbox_id, self._req = ops, sandbox_id, req
+        self._it: AsyncIterator[ExecChunk | ExecResult] | None = None
+        self.result: ExecResult | None = None
+        """How the command ended; set once the iterator is exhausted."""
+
+    def __aiter__(self) -> ExecStream:
+        return self
+
+    async def __anext__(self) -> ExecChunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        if self._it is None:
+            self._it = aiter(self._ops.exec_stream(self._sandbox_id, self._req))
+        try:
+            item = await anext(self._it)
+        except StopAsyncIteration:
+            raise SandboxError(
+                f"exec stream of {self._req.cmd[0]!r} in {self._sandbox_id} ended without a result"
+            ) from None
+        if isinstance(item, ExecResult):
+            self.result = item
+            await self.aclose()
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def __aenter__(self) -> ExecStream:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class Process:
+    """A background process started with ``Sandbox.spawn``."""
+
+    __slots__ = ("_ops", "_sandbox_id", "_info")
+
+    def __init__(self, ops: NodeOps, sandbox_id: str, info: ProcessInfo, _key: object = None):
+        _check_key(_key, "Process")
+        self._ops, self._sandbox_id, self._info = ops, sandbox_id, info
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def pid(self) -> int:
+        """Pid inside the sandbox."""
+        return self._info.pid
+
+    @property
+    def info(self) -> ProcessInfo:
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"Process(id={self.id!r}, pid={self.pid}, cmd={self._info.cmd!r})"
+
+    async def refresh(self) -> ProcessInfo:
+        self._info = await self._ops.process_get(self._sandbox_id, self.id)
+        return self._info
+
+    async def wait(self, timeout: float | None = None) -> ExecResult:
+        """Wait until the process ends; raises ``TimeoutError`` if it still runs after
+        ``timeout`` seconds (the process keeps running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _WAIT_SLICE if deadline is None else max(deadline - time.monotonic(), 0.0)
+            self._info = await self._ops.process_get(
+                self._sandbox_id, self.id, wait=min(left, _WAIT_SLICE)
+            )
+            if self._info.result is not None:
+                return self._info.result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"process {self.id} ({self._info.cmd[0]}) still runs after {timeout} s"
+                )
+
+    async def kill(self, signal: int = 9) -> None:
+        await self._ops.process_kill(self._sandbox_id, self.id, signal=signal)
+
+    async def output(self) -> tuple[bytes, bytes]:
+        """(stdout, stderr) buffered so far, or the whole output once it has ended."""
+        info = await self.refresh()
+        if info.result is not None and (info.result.stdout or info.result.stderr):
+            return info.result.stdout, info.result.stderr
+        return info.stdout, info.stderr
+
+
+class Shell:
+    """A persistent shell session: ``cd`` and ``export`` carry over between ``run`` calls."""
+
+    __slots__ = ("_ops", "_sandbox_id", "_info")
+
+    def __init__(self, ops: NodeOps, sandbox_id: str, info: ShellInfo, _key: object = None):
+        _check_key(_key, "Shell")
+        self._ops, self._sandbox_id, self._info = ops, sandbox_id, info
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def info(self) -> ShellInfo:
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"Shell(id={self.id!r}, sandbox={self._sandbox_id!r})"
+
+    async def run(
+        self, command: str, timeout: float | None = None, stdin: bytes | str | None = None
+    ) -> ExecResult:
+        return await self._ops.shell_run(
+            self._sandbox_id, self.id, command, timeout=timeout, stdin=_to_bytes(stdin)
+        )
+
+    async def close(self) -> None:
+        await self._ops.shell_close(self._sandbox_id, self.id)
+
+    async def __aenter__(self) -> Shell:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.close()
+        except NotFound:
+            pass  # the sandbox (and with it the shell) is already gone
+
+
+class Files:
+    """Files of one sandbox. Paths are absolute paths inside the sandbox.
+
+    ``upload`` and ``download`` put the named entry itself into the target directory, like
+    ``docker cp``: ``upload("proj", "/work")`` creates ``/work/proj``;
+    ``download("/work/proj", "out")`` creates ``out/proj``.
+    """
+
+    __slots__ = ("_ops", "_sandbox_id")
+
+    def __init__(self, ops: NodeOps, sandbox_id: str, _key: object = None) -> None:
+        _check_key(_key, "Files")
+        self._ops, self._sandbox_id = ops, sandbox_id
+
+    def __repr__(self) -> str:
+        return f"Files(sandbox={self._sandbox_id!r})"
+
+    async def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._ops.file_read(self._sandbox_id, path, offset=offset, length=length)
+
+    async def read_text(self, path: str, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return (await self.read(path)).decode(encoding, errors)
+
+    async def write(
+        self, path: str, data: bytes | str, mode: int = 0o644, append: bool = False
+    ) -> None:
+        await self._ops.file_write(
+            self._sandbox_id,
+            path,
+            data.encode() if isinstance(data, str) else data,
+            mode=mode,
+            append=append,
+        )
+
+    async def list(self, path: str) -> builtins.list[FileStat]:
+        return await self._ops.file_list(self._sandbox_id, path)
+
+    async def stat(self, path: str) -> FileStat:
+        return await self._ops.file_stat(self._sandbox_id, path)
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except NotFound:
+            return False
+        return True
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._ops.file_remove(self._sandbox_id, path, recursive=recursive)
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> None:
+        await self._ops.file_mkdir(self._sandbox_id, path, parents=parents, mode=mode)
+
+    async def upload(self, local_path: str | os.PathLike[str], remote_dir: str) -> str:
+        """Copy a local file, symlink or directory into ``remote_dir`` (created if
+        missing); returns the remote path of the copy."""
+        src = Path(local_path)
+        if not src.exists() and not src.is_symlink():
+            raise InvalidRequest(f"upload: local path {str(src)!r} does not exist")
+        data = await asyncio.to_thread(_tar_local, src)
+        await self._ops.file_upload_tar(self._sandbox_id, remote_dir, data)
+        return posixpath.join(remote_dir, _local_name(src))
+
+    async def download(self, remote_path: str, local_dir: str | os.PathLike[str]) -> Path:
+        """Copy a remote file, symlink or directory into ``local_dir``; returns the local
+        path of the copy.
+
+        Extraction refuses absolute names, ``..``, links out of ``local_dir`` and device
+        files (tarfile's ``data`` filter): the sandbox's content is untrusted.
+        """
+        name = posixpath.basename(posixpath.normpath(remote_path)) or "root"
+        # the node names a directory's members relative to it and a file's after the file
+        is_dir = (await self.stat(remote_path)).type == "dir"
+        data = await self._ops.file_download_tar(self._sandbox_id, remote_path)
+        dest = Path(local_dir)
+        await asyncio.to_thread(_untar_local, data, dest / name if is_dir else dest)
+        return dest / name
+
+
+def _local_name(src: Path) -> str:
+    # abspath folds "." and ".." without following a symlink (resolve() would name the target)
+    return os.path.basename(os.path.abspath(src))
+
+
+def _tar_local(src: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(src, arcname=_local_name(src), recursive=True)
+    return buf.getvalue()
+
+
+def _untar_local(data: bytes, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise InvalidRequest(f"download: refused or failed to extract into {dest}: {exc}") from exc

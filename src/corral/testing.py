@@ -1,0 +1,642 @@
+"""An in-memory NodeOps for SDK and API unit tests.
+
+``FakeNode`` keeps sandboxes, files and events in dicts and fakes a handful of commands
+(``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``exit``, ``cd``,
+``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``, ``||``, with ``$VAR``
+and ``>&2``), enough to exercise every
+code path of a transport. It runs nothing and isolates nothing: never use it outside tests.
+
+Example:
+    >>> import asyncio, corral
+    >>> from corral.testing import FakeNode
+    >>> async def demo() -> bytes:
+    ...     async with corral.AsyncClient(ops=FakeNode()) as client:
+    ...         sb = await client.sandboxes.create(image="demo/python")
+    ...         return (await sb.exec(["echo", "hi"])).stdout
+    >>> asyncio.run(demo())
+    b'hi\\n'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import posixpath
+import re
+import secrets
+import shlex
+import string
+import tarfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from corral.errors import (
+    Conflict,
+    ImageNotFound,
+    InvalidRequest,
+    LayerNotFound,
+    NotFound,
+    PathRefused,
+    ProcessNotFound,
+    SandboxNotFound,
+)
+from corral.ops import NodeOps
+from corral.spec import (
+    Event,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    ImageInfo,
+    LayerInfo,
+    NodeStatus,
+    ProcessInfo,
+    SandboxInfo,
+    SandboxSpec,
+    ShellInfo,
+)
+
+__all__ = ["FakeNode"]
+
+_BASE_LAYER = "sha256:" + "0" * 64
+_PY_LAYER = "sha256:" + "1" * 64
+_ID_ALPHABET = string.digits + string.ascii_lowercase
+_TO_STDERR = "\0stderr"  # stands for ">&2" while a script is split into words
+_VAR_RE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+Emit = Callable[[str, bytes], None]
+
+
+def _new_id(prefix: str, n: int = 12) -> str:
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(n))
+
+
+def _digest(name: str) -> str:
+    return "sha256:" + name.encode().hex().ljust(64, "0")[:64]
+
+
+@dataclass
+class _Proc:
+    info: ProcessInfo
+    task: asyncio.Task[ExecResult]
+
+
+@dataclass
+class _Shell:
+    info: ShellInfo
+    env: dict[str, str]
+
+
+@dataclass
+class _Sandbox:
+    info: SandboxInfo
+    files: dict[str, bytes] = field(default_factory=dict)
+    modes: dict[str, int] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/work", "/etc"})
+    procs: dict[str, _Proc] = field(default_factory=dict)
+    shells: dict[str, _Shell] = field(default_factory=dict)
+
+
+class _Run:
+    """State of one fake command run: its output, cwd and env (shells keep the last two)."""
+
+    def __init__(
+        self,
+        sb: _Sandbox,
+        env: dict[str, str],
+        cwd: str,
+        stdin: bytes | None,
+        deadline: float | None,
+        emit: Emit,
+    ) -> None:
+        self.sb, self.env, self.cwd, self.stdin = sb, env, cwd, stdin
+        self.deadline, self.emit = deadline, emit
+        self.timed_out = False
+
+
+class FakeNode(NodeOps):
+    """In-memory stand-in for the node; seeded with images ``demo/base`` and ``demo/python``."""
+
+    def __init__(self) -> None:
+        now = time.time()
+        self._layers = {
+            _BASE_LAYER: LayerInfo(digest=_BASE_LAYER, size=1 << 20, kind="dir", created_at=now),
+            _PY_LAYER: LayerInfo(digest=_PY_LAYER, size=4 << 20, kind="pip", created_at=now),
+        }
+        self._images: dict[str, ImageInfo] = {}
+        for name, layers in (
+            ("demo/base", [_BASE_LAYER]),
+            ("demo/python", [_BASE_LAYER, _PY_LAYER]),
+        ):
+            self._images[name] = ImageInfo(
+                name=name, digest=_digest(name), layers=layers, created_at=now
+            )
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._events: list[Event] = []
+        self._next_pid = 100
+
+    # ---------------------------------------------------------------- images
+    async def image_get(self, name: str) -> ImageInfo:
+        for img in self._images.values():
+            if name in (img.name, img.digest):
+                return img
+        raise ImageNotFound(f"image {name!r} is not in the store")
+
+    async def image_list(self) -> list[ImageInfo]:
+        return sorted(self._images.values(), key=lambda i: i.name)
+
+    async def image_compose(
+        self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
+    ) -> ImageInfo:
+        for digest in layers:
+            if digest not in self._layers:
+                raise LayerNotFound(f"layer {digest} is not in the store")
+        img = ImageInfo(
+            name=name,
+            digest=_digest(name + "|" + ",".join(layers)),
+            layers=layers,
+            env=env or {},
+            workdir=workdir,
+        )
+        self._images[name] = img
+        return img
+
+    async def image_remove(self, name: str) -> None:
+        if name not in self._images:
+            raise ImageNotFound(f"image {name!r} is not in the store")
+        del self._images[name]
+
+    async def layer_list(self) -> list[LayerInfo]:
+        return list(self._layers.values())
+
+    # ------------------------------------------------------------- lifecycle
+    async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
+        img = await self.image_get(spec.image)
+        now = time.time()
+        info = SandboxInfo(
+            id=_new_id("sb-"),
+            state="running",
+            image=spec.image,
+            image_digest=img.digest,
+            spec=spec,
+            created_at=now,
+            last_active_at=now,
+            runtime="fake",
+            expires_at=None if spec.ttl is None else now + spec.ttl,
+        )
+        self._sandboxes[info.id] = _Sandbox(info=info)
+        self._event(info.id, "created", image=spec.image)
+        return info
+
+    async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
+        return self._sb(sandbox_id).info
+
+    async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        want = labels or {}
+        return [
+            s.info
+            for s in self._sandboxes.values()
+            if all(s.info.spec.labels.get(k) == v for k, v in want.items())
+        ]
+
+    async def sandbox_destroy(self, sandbox_id: str) -> None:
+        sb = self._sb(sandbox_id)
+        for p in sb.procs.values():
+            p.task.cancel()
+        del self._sandboxes[sandbox_id]
+        self._event(sandbox_id, "destroyed")
+
+    # ------------------------------------------------------------------ exec
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        sb = self._sb(sandbox_id)
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        result = await self._execute(sb, req, lambda s, d: out[s].extend(d))
+        limit = self._limit(sb, req)
+        return result.model_copy(
+            update={
+                "stdout": bytes(out["stdout"][:limit]),
+                "stderr": bytes(out["stderr"][:limit]),
+                "stdout_truncated": len(out["stdout"]) > limit,
+                "stderr_truncated": len(out["stderr"]) > limit,
+            }
+        )
+
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[ExecChunk | ExecResult]:
+        sb = self._sb(sandbox_id)
+        queue: asyncio.Queue[ExecChunk | None] = asyncio.Queue()
+        limit = self._limit(sb, req)
+        sent = {"stdout": 0, "stderr": 0}
+        truncated = {"stdout": False, "stderr": False}
+
+        def emit(stream: str, data: bytes) -> None:
+            room = limit - sent[stream]
+            if len(data) > room:
+                truncated[stream] = True
+                data = data[: max(room, 0)]
+            if data:
+                sent[stream] += len(data)
+                queue.put_nowait(ExecChunk(stream=stream, data=data))  # type: ignore[arg-type]
+
+        task = asyncio.ensure_future(self._execute(sb, req, emit))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+            result = task.result()
+        finally:
+            task.cancel()
+        yield result.model_copy(
+            update={
+                "stdout_truncated": truncated["stdout"],
+                "stderr_truncated": truncated["stderr"],
+            }
+        )
+
+    async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        sb = self._sb(sandbox_id)
+        self._next_pid += 1
+        info = ProcessInfo(id=_new_id("p-", 8), pid=self._next_pid, cmd=req.cmd, running=True)
+        task = asyncio.ensure_future(self.exec(sandbox_id, req))
+        sb.procs[info.id] = _Proc(info=info, task=task)
+        return info
+
+    async def process_get(
+        self, sandbox_id: str, process_id: str, wait: float | None = None
+    ) -> ProcessInfo:
+        proc = self._proc(sandbox_id, process_id)
+        if wait is not None and not proc.task.done():
+            await asyncio.wait([proc.task], timeout=wait)
+        return self._proc_info(proc)
+
+    async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
+        proc = self._proc(sandbox_id, process_id)
+        if not proc.task.done():
+            proc.task.cancel()
+            proc.info = proc.info.model_copy(
+                update={
+                    "result": ExecResult(
+                        exit_code=None,
+                        signal=signal,
+                        reason="signaled",
+                    )
+                }
+            )
+
+    async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
+        return [self._proc_info(p) for p in self._sb(sandbox_id).procs.values()]
+
+    def _proc_info(self, proc: _Proc) -> ProcessInfo:
+        if proc.info.result is None and proc.task.done() and not proc.task.cancelled():
+            proc.info = proc.info.model_copy(update={"result": proc.task.result()})
+        r = proc.info.result
+        if r is None:
+            return proc.info
+        return proc.info.model_copy(
+            update={"running": False, "stdout": r.stdout, "stderr": r.stderr}
+        )
+
+    # ---------------------------------------------------------------- shells
+    async def shell_open(
+        self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None
+    ) -> ShellInfo:
+        sb = self._sb(sandbox_id)
+        info = ShellInfo(
+            id=_new_id("sh-", 8), cwd=cwd or sb.info.spec.workdir, created_at=time.time()
+        )
+        sb.shells[info.id] = _Shell(info=info, env={**sb.info.spec.env, **(env or {})})
+        return info
+
+    async def shell_run(
+        self,
+        sandbox_id: str,
+        shell_id: str,
+        command: str,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        sb = self._sb(sandbox_id)
+        shell = sb.shells.get(shell_id)
+        if shell is None:
+            raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        run = _Run(
+            sb, shell.env, shell.info.cwd, stdin, _deadline(timeout), lambda s, d: out[s].extend(d)
+        )
+        start = time.monotonic()
+        code = await self._script(run, command)
+        shell.info = shell.info.model_copy(update={"cwd": run.cwd})
+        return self._result(run, code, start).model_copy(
+            update={"stdout": bytes(out["stdout"]), "stderr": bytes(out["stderr"])}
+        )
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        if self._sb(sandbox_id).shells.pop(shell_id, None) is None:
+            raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")
+
+    # ----------------------------------------------------------------- files
+    async def file_read(
+        self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None
+    ) -> bytes:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if p in sb.dirs:
+            raise InvalidRequest(f"{p} is a directory")
+        if p not in sb.files:
+            raise NotFound(f"{p}: no such file in sandbox {sandbox_id}")
+        data = sb.files[p][offset:]
+        return data if length is None else data[:length]
+
+    async def file_write(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
+    ) -> None:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if p in sb.dirs:
+            raise InvalidRequest(f"{p} is a directory")
+        self._mkdirs(sb, posixpath.dirname(p))
+        sb.files[p] = (sb.files.get(p, b"") if append else b"") + data
+        sb.modes[p] = mode
+
+    async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if p not in sb.dirs:
+            raise NotFound(f"{p}: no such directory in sandbox {sandbox_id}")
+        names = {
+            x for x in (*sb.dirs, *sb.files, *sb.links) if x != p and posixpath.dirname(x) == p
+        }
+        return [self._stat(sb, n) for n in sorted(names)]
+
+    async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if p not in sb.dirs and p not in sb.files and p not in sb.links:
+            raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
+        return self._stat(sb, p)
+
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if p in sb.files or p in sb.links:
+            sb.files.pop(p, None)
+            sb.links.pop(p, None)
+            return
+        if p not in sb.dirs:
+            raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
+        inside = [x for x in (*sb.dirs, *sb.files, *sb.links) if x.startswith(p.rstrip("/") + "/")]
+        if inside and not recursive:
+            raise Conflict(f"{p} is a non-empty directory; pass recursive=True to remove it")
+        for x in inside:
+            sb.files.pop(x, None)
+            sb.links.pop(x, None)
+            sb.dirs.discard(x)
+        sb.dirs.discard(p)
+
+    async def file_mkdir(
+        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+    ) -> None:
+        sb, p = self._sb(sandbox_id), _path(path)
+        if not parents and posixpath.dirname(p) not in sb.dirs:
+            raise NotFound(f"{posixpath.dirname(p)}: no such directory in sandbox {sandbox_id}")
+        self._mkdirs(sb, p)
+
+    async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        sb, root = self._sb(sandbox_id), _path(path)
+        self._mkdirs(sb, root)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for m in tar.getmembers():
+                name = posixpath.normpath(m.name)
+                if name.startswith(("/", "..")):
+                    raise PathRefused(f"tar member {m.name!r} escapes {root}")
+                dest = posixpath.join(root, name)
+                if m.isdir():
+                    self._mkdirs(sb, dest)
+                elif m.isfile():
+                    f = tar.extractfile(m)
+                    self._mkdirs(sb, posixpath.dirname(dest))
+                    sb.files[dest] = f.read() if f else b""
+                    sb.modes[dest] = m.mode
+                elif m.issym():
+                    sb.links[dest] = m.linkname
+                else:
+                    raise PathRefused(f"tar member {m.name!r} is a device or hard link")
+
+    async def file_download_tar(self, sandbox_id: str, path: str) -> bytes:
+        # like the real node: a directory's members are named relative to it; a file or
+        # symlink gives one member named after it
+        sb, root = self._sb(sandbox_id), _path(path)
+        if root not in sb.dirs and root not in sb.files and root not in sb.links:
+            raise NotFound(f"{root}: no such file or directory in sandbox {sandbox_id}")
+        base = root if root in sb.dirs else posixpath.dirname(root)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for p in sorted({*sb.dirs, *sb.files, *sb.links}):
+                if p == base or not (p == root or p.startswith(root.rstrip("/") + "/")):
+                    continue
+                ti = tarfile.TarInfo(posixpath.relpath(p, base))
+                if p in sb.dirs:
+                    ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(ti)
+                elif p in sb.links:
+                    ti.type, ti.linkname = tarfile.SYMTYPE, sb.links[p]
+                    tar.addfile(ti)
+                else:
+                    ti.size, ti.mode = len(sb.files[p]), sb.modes.get(p, 0o644)
+                    tar.addfile(ti, io.BytesIO(sb.files[p]))
+        return buf.getvalue()
+
+    # ------------------------------------------------------- events and node
+    async def events(
+        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+    ) -> list[Event]:
+        ids = None if labels is None else {s.id for s in await self.sandbox_list(labels)}
+        return [
+            e
+            for e in self._events
+            if e.id > since_id
+            and (sandbox_id is None or e.sandbox_id == sandbox_id)
+            and (ids is None or e.sandbox_id in ids)
+        ]
+
+    async def node_status(self) -> NodeStatus:
+        n = len(self._sandboxes)
+        return NodeStatus(
+            node_id="fake",
+            version="0",
+            runtime="fake",
+            cgroup_mode="v2",
+            sandboxes=n,
+            running=n,
+            state_dir="",
+            store="",
+            mounted_layers=0,
+            mem_total=0,
+            mem_available=0,
+        )
+
+    async def close(self) -> None:
+        for sb in self._sandboxes.values():
+            for p in sb.procs.values():
+                p.task.cancel()
+
+    # --------------------------------------------------------------- helpers
+    def _sb(self, sandbox_id: str) -> _Sandbox:
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node")
+        return sb
+
+    def _proc(self, sandbox_id: str, process_id: str) -> _Proc:
+        proc = self._sb(sandbox_id).procs.get(process_id)
+        if proc is None:
+            raise ProcessNotFound(f"no process {process_id!r} in sandbox {sandbox_id}")
+        return proc
+
+    def _event(self, sandbox_id: str | None, kind: str, **detail: str) -> None:
+        self._events.append(
+            Event(
+                id=len(self._events) + 1,
+                sandbox_id=sandbox_id,
+                time=time.time(),
+                kind=kind,
+                detail=dict(detail),
+            )
+        )
+
+    @staticmethod
+    def _limit(sb: _Sandbox, req: ExecRequest) -> int:
+        return sb.info.spec.limits.output if req.output_limit is None else req.output_limit
+
+    @staticmethod
+    def _mkdirs(sb: _Sandbox, p: str) -> None:
+        while p not in sb.dirs:
+            if p in sb.files:
+                raise Conflict(f"{p} is a file, not a directory")
+            sb.dirs.add(p)
+            p = posixpath.dirname(p)
+
+    @staticmethod
+    def _stat(sb: _Sandbox, p: str) -> FileStat:
+        kind = "dir" if p in sb.dirs else "symlink" if p in sb.links else "file"
+        return FileStat(
+            path=p,
+            name=posixpath.basename(p) or "/",
+            type=kind,  # type: ignore[arg-type]
+            size=len(sb.files.get(p, b"")),
+            mode=sb.modes.get(p, 0o755 if kind == "dir" else 0o644),
+            mtime=0.0,
+            uid=0,
+            gid=0,
+            target=sb.links.get(p),
+        )
+
+    async def _execute(self, sb: _Sandbox, req: ExecRequest, emit: Emit) -> ExecResult:
+        env = {**sb.info.spec.env, **req.env}
+        run = _Run(
+            sb, env, req.cwd or sb.info.spec.workdir, req.stdin, _deadline(req.timeout), emit
+        )
+        start = time.monotonic()
+        name = posixpath.basename(req.cmd[0])
+        if name in ("sh", "bash") and len(req.cmd) >= 3 and req.cmd[1] == "-c":
+            code = await self._script(run, req.cmd[2])
+        else:
+            code = await self._command(run, req.cmd)
+        return self._result(run, code, start)
+
+    @staticmethod
+    def _result(run: _Run, code: int, start: float) -> ExecResult:
+        if run.timed_out:
+            return ExecResult(
+                exit_code=None, signal=9, reason="timeout", duration=time.monotonic() - start
+            )
+        return ExecResult(exit_code=code, reason="exited", duration=time.monotonic() - start)
+
+    async def _script(self, run: _Run, script: str) -> int:
+        """Run ``a; b && c || d``: variables are expanded first, quotes are honoured."""
+        script = _VAR_RE.sub(lambda m: run.env.get(m.group(1) or m.group(2), ""), script)
+        script = script.replace(">&2", f" {_TO_STDERR} ")
+        lex = shlex.shlex(script, posix=True, punctuation_chars=";&|")
+        lex.whitespace_split = True
+        code, op, words = 0, ";", []
+        for tok in [*lex, ";"]:
+            if tok not in (";", "&&", "||"):
+                words.append(tok)
+                continue
+            if words and (op == ";" or (op == "&&") == (code == 0)):
+                if words[0] == "exit":
+                    return int(words[1]) if len(words) > 1 else code
+                if _TO_STDERR in words:
+                    words.remove(_TO_STDERR)
+                    emit = run.emit
+                    run.emit = lambda _, d: emit("stderr", d)
+                    code = await self._command(run, words)
+                    run.emit = emit
+                else:
+                    code = await self._command(run, words)
+                if run.timed_out:
+                    return code
+            op, words = tok, []
+        return code
+
+    async def _command(self, run: _Run, argv: list[str]) -> int:
+        name, args = posixpath.basename(argv[0]), argv[1:]
+        if "=" in name and not args:
+            k, _, v = name.partition("=")
+            run.env[k] = v
+            return 0
+        if name == "echo":
+            run.emit("stdout", (" ".join(args) + "\n").encode())
+        elif name in ("true", "false"):
+            return int(name == "false")
+        elif name == "pwd":
+            run.emit("stdout", (run.cwd + "\n").encode())
+        elif name == "cd":
+            target = posixpath.normpath(posixpath.join(run.cwd, args[0] if args else "/"))
+            if target not in run.sb.dirs:
+                run.emit("stderr", f"sh: cd: {target}: No such file or directory\n".encode())
+                return 2
+            run.cwd = target
+        elif name == "export":
+            for a in args:
+                k, _, v = a.partition("=")
+                run.env[k] = v
+        elif name == "printenv":
+            for k in args or sorted(run.env):
+                if k in run.env:
+                    run.emit(
+                        "stdout", (run.env[k] + "\n" if args else f"{k}={run.env[k]}\n").encode()
+                    )
+        elif name == "cat":
+            if not args:
+                run.emit("stdout", run.stdin or b"")
+            for a in args:
+                p = posixpath.normpath(posixpath.join(run.cwd, a))
+                if p not in run.sb.files:
+                    run.emit("stderr", f"cat: {a}: No such file or directory\n".encode())
+                    return 1
+                run.emit("stdout", run.sb.files[p])
+        elif name == "sleep":
+            return await self._sleep(run, float(args[0]) if args else 0.0)
+        else:
+            run.emit("stderr", f"sh: {argv[0]}: not found\n".encode())
+            return 127
+        return 0
+
+    @staticmethod
+    async def _sleep(run: _Run, seconds: float) -> int:
+        if run.deadline is not None and time.monotonic() + seconds > run.deadline:
+            await asyncio.sleep(max(run.deadline - time.monotonic(), 0))
+            run.timed_out = True
+            return -1
+        await asyncio.sleep(seconds)
+        return 0
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _path(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise PathRefused(f"{path!r} must be an absolute path without NUL bytes")
+    # normpath keeps a leading "//" (POSIX allows it to mean something else): fold it
+    return posixpath.normpath("/" + path.lstrip("/"))
