@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import corral
@@ -93,14 +94,16 @@ def ensure_images(config: NodeConfig, console: Console) -> None:
     if {"demo/python", "demo/task", "demo/grade"} <= have:
         return
     console.print("[bold]building demo images (once; cached in the layer store)[/]")
-    if "demo/base" not in have:
-        base = build.build_debian(store, "bookworm", include=["python3", "python3-pip"],
-                                  progress=True)
-        store.put_image("demo/base", [base.digest])
-    base_img = store.image("demo/base")
-    if "demo/python" not in have:
-        tk = build.build_pip(store, base_img, [PYTEST], progress=True)
-        store.put_image("demo/python", [*base_img.layers, tk.digest])
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        if "demo/base" not in have:
+            base = build.build_debian(store, "bookworm", include=["python3", "python3-pip"],
+                                      progress=progress)
+            store.put_image("demo/base", [base.digest])
+        base_img = store.image("demo/base")
+        if "demo/python" not in have:
+            tk = build.build_pip(store, base_img, [PYTEST], progress=progress)
+            store.put_image("demo/python", [*base_img.layers, tk.digest])
     py = store.image("demo/python")
     tmp = Path(tempfile.mkdtemp(prefix="corral-demo-"))
     try:

@@ -102,9 +102,21 @@ async def test_fork_bomb_contained_and_neighbour_answers(client):
             lat.append(time.perf_counter() - t)
             assert r.ok
         assert max(lat) < 2.0
-        r = await victim.exec(["sh", "-c", "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || "
-                               "cat /sys/fs/cgroup/pids.max"], timeout=10)
+        # the victim is at its pids limit: a new exec is refused with a clear error ...
+        with pytest.raises(corral.SandboxError, match="fork"):
+            await victim.exec(["true"])
+        # ... until the bomb's process group is killed; then the sandbox recovers
         await bomb.kill()
+        deadline = time.time() + 20
+        while True:
+            try:
+                r = await victim.exec(["true"])
+                if r.ok:
+                    break
+            except corral.SandboxError:
+                pass
+            assert time.time() < deadline, "victim did not recover after killing the bomb"
+            await asyncio.sleep(0.2)
     finally:
         await victim.destroy()
         await neighbour.destroy()

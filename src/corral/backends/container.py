@@ -11,9 +11,11 @@ No process of ours stays per sandbox: runc exits, the init lives on in the conta
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -177,6 +179,32 @@ class ContainerBackend:
             return True
         return True
 
+    async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> None:
+        """SIGKILL the init (the kernel then kills its whole pid namespace) and wait until no
+        process of the sandbox is left, so destroy never returns with guest processes alive."""
+        pid = self.init_pid(sandbox_id)
+        if pid:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                finally:
+                    os.close(fd)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while loop.time() < deadline:
+            try:
+                if not self.cgroups.procs(sandbox_id):
+                    return
+            except Exception:
+                return  # no cgroup: nothing can be left in it
+            await asyncio.sleep(0.002)
+
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> bool:
         return self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
 
@@ -193,10 +221,11 @@ class ContainerBackend:
             except Exception as e:  # keep going: a half-destroyed sandbox is worse
                 errors.append(f"{what}: {e}")
 
+        await step("kill", lambda: self.kill_all(sandbox_id))
         await step("runtime delete", lambda: self.runtime.delete(sandbox_id, force=True))
         await step("cgroup", lambda: self.cgroups.remove(sandbox_id))
         root = self.rootfs(sandbox_id)
-        await step("rootfs umount", lambda: mounts.umount(root, detach=True))
+        await step("rootfs umount", lambda: mounts.umount(root, detach=True, busy_wait=1.0))
         await step("writable layer", lambda: self.scratch.delete_subvol(sandbox_id))
         if image is not None:
             for digest in image.layers:

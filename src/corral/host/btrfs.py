@@ -22,6 +22,7 @@ import errno
 import fcntl
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -192,12 +193,21 @@ class Scratch:
         fcntl.ioctl(self._dirfd, _IOC_FS_INFO, buf)
         return str(uuid.UUID(bytes=bytes(buf[16:32])))
 
-    def teardown(self, delete_image: bool = False) -> None:
-        """Unmount (the autoclear loop device goes with it); optionally delete the image."""
+    def close(self) -> None:
+        """Let go of the filesystem without unmounting it (sandboxes still use it)."""
         if self._dirfd >= 0:
             os.close(self._dirfd)
             self._dirfd = -1
-        umount(self.mountpoint)
+
+    def teardown(self, delete_image: bool = False) -> None:
+        """Unmount (the autoclear loop device goes with it); optionally delete the image."""
+        self.close()
+        umount(self.mountpoint, busy_wait=5.0)
+        # The kernel frees an autoclear loop device asynchronously after the last unmount;
+        # wait for it so that callers (and leak checks) see a clean host when we return.
+        deadline = time.monotonic() + 5
+        while loop.backed_by(self.image) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if delete_image:
             self.image.unlink(missing_ok=True)
 

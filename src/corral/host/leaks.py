@@ -80,9 +80,19 @@ def _procs(subtree: str) -> list[str]:
                 cg = f.read()
         except OSError:
             continue
-        if needle in cg:
+        if needle in cg and not _zombie(pid):
             out.append(pid)
     return out
+
+
+def _zombie(pid: str) -> bool:
+    """A zombie is dead and holds nothing but its pid until its parent (after a sandbox
+    destroy: the host's init, which reaps in its own time) collects it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def scan(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -293,17 +294,29 @@ def make_private(target: Path) -> None:
         raise _fail("make private", e, target) from None
 
 
-def umount(target: Path, detach: bool = False) -> None:
-    """Unmount ``target``; not mounted or missing is not an error. ``detach``: MNT_DETACH."""
-    flags = _sys.UMOUNT_NOFOLLOW | (_sys.MNT_DETACH if detach else 0)
-    try:
-        # Safe: callers pass only paths under corral's roots; NOFOLLOW keeps a symlink
-        # planted there from redirecting the unmount.
-        _sys.umount2(target, flags)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.ENOENT):
+def umount(target: Path, detach: bool = False, busy_wait: float = 0.0) -> None:
+    """Unmount ``target``; not mounted or missing is not an error. ``detach``: MNT_DETACH.
+
+    ``busy_wait``: for up to this many seconds retry while the mount is busy (processes of a
+    just-killed sandbox may still be exiting); after that a lazy detach if ``detach``."""
+    deadline = time.monotonic() + busy_wait
+    while True:
+        try:
+            # Safe: callers pass only paths under corral's roots; NOFOLLOW keeps a symlink
+            # planted there from redirecting the unmount.
+            _sys.umount2(target, _sys.UMOUNT_NOFOLLOW | (
+                _sys.MNT_DETACH if detach and busy_wait <= 0 else 0))
             return
-        raise _fail("umount", e, target) from None
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOENT):
+                return
+            if e.errno == errno.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.005)
+                continue
+            if e.errno == errno.EBUSY and detach and busy_wait > 0:
+                busy_wait = 0
+                continue
+            raise _fail("umount", e, target) from None
 
 
 # statx(2), for STATX_ATTR_MOUNT_ROOT: one syscall, and it tells a bind mount of a

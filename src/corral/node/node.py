@@ -188,6 +188,8 @@ class Node:
         self._flush_touches()
         if not self._live:
             await self._teardown_shared()
+        else:
+            self.scratch.close()
         self.userns.close()
         self.state.close()
         os.close(self._lock_fd)
@@ -580,6 +582,7 @@ class Node:
         for c in await self.runtime.list():
             cid = c.get("id", "")
             if cid and cid not in live:
+                await self.backend.kill_all(cid)
                 await self.runtime.delete(cid, force=True)
                 removed["containers"] += 1
         for m in mounts.mounts_under(self.backend.sandboxes_dir):

@@ -1,0 +1,426 @@
+"""The layer store: content-addressed EROFS layers and named image manifests in a directory.
+
+Layout (the directory may be a shared filesystem that several builders and nodes use)::
+
+    ROOT/layers/<hex>.erofs     the layer, named by the SHA-256 of its bytes
+    ROOT/layers/<hex>.json      its LayerInfo
+    ROOT/images/<quoted>.json   an ImageInfo, the name percent-quoted into one file name
+    ROOT/tmp/                   files being written; renamed into place when complete
+
+Every write goes to a unique file in ``tmp/`` (same filesystem), is fsynced, and is then
+linked or renamed into place, so a reader never sees a partial file and two builders of
+the same layer cannot corrupt each other: both produce the same bytes and the second
+simply finds the first one's file.
+
+Example::
+
+    store = LayerStore(Path("/srv/corral/store"))
+    base = store.add_dir(Path("rootfs"), kind="dir")
+    img = store.put_image("demo/base", [base.digest])
+    store.verify(img.layers[0])
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from pydantic import ValidationError
+
+from corral.errors import (
+    BuildError,
+    Conflict,
+    ImageNotFound,
+    InvalidRequest,
+    LayerCorrupt,
+    LayerNotFound,
+)
+from corral.images import erofs
+from corral.images._progress import Step
+from corral.spec import ImageInfo, LayerInfo
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+__all__ = ["LayerStore", "check_digest", "check_image_name", "image_digest", "DIGEST_RE"]
+
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Like docker references: lower-case path components, an optional :tag.
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
+_NAME_MAX = 255
+_CHUNK = 1 << 20
+
+
+def check_digest(digest: str, what: str = "layer digest") -> str:
+    """Return ``digest`` if it is ``sha256:`` + 64 lower-case hex digits, else InvalidRequest."""
+    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+        raise InvalidRequest(f"{what} {digest!r} is not of the form sha256:<64 hex digits>")
+    return digest
+
+
+def check_image_name(name: str) -> str:
+    """Return ``name`` if it is a valid image name (``demo/python`` or ``demo/python:3.11``)."""
+    if not isinstance(name, str) or len(name) > _NAME_MAX or not _NAME_RE.match(name):
+        raise InvalidRequest(
+            f"image name {name!r} is invalid: use lower-case letters, digits and . _ / -, "
+            f"starting with a letter or digit, optionally :tag, at most {_NAME_MAX} characters"
+        )
+    return name
+
+
+def image_digest(name: str, layers: list[str], env: dict[str, str], workdir: str) -> str:
+    """SHA-256 of the canonical manifest JSON (every field but digest and created_at)."""
+    doc = {"env": env, "layers": layers, "name": name, "workdir": workdir}
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some network filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _hash_file(path: Path, step: Step | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            if step is not None:
+                step.advance(len(chunk))
+    return "sha256:" + h.hexdigest()
+
+
+class LayerStore:
+    """Content-addressed EROFS layers and image manifests under ``root``."""
+
+    def __init__(self, root: Path, *, compress: str | None = "lz4") -> None:
+        """Open (creating if needed) the store at ``root``.
+
+        ``compress``: what ``add_dir`` passes to mkfs.erofs (``"lz4"``, ``"lz4hc"`` or None).
+        """
+        self.root = Path(root)
+        self.compress = compress
+        self._layers_dir = self.root / "layers"
+        self._images_dir = self.root / "images"
+        self._tmp_dir = self.root / "tmp"
+        for d in (self._layers_dir, self._images_dir, self._tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._verified: dict[str, tuple[int, int, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LayerStore({str(self.root)!r})"
+
+    # ----------------------------------------------------------------- writing helpers
+
+    def _tmp_path(self, suffix: str) -> Path:
+        return self._tmp_dir / f"{os.getpid()}-{uuid.uuid4().hex}{suffix}"
+
+    def _write_atomic(self, dest: Path, data: bytes) -> None:
+        tmp = self._tmp_path(".json")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(dest.parent)
+
+    def _place(self, tmp: Path, dest: Path) -> None:
+        """Move the finished ``tmp`` to ``dest`` unless an identical file is already there."""
+        try:
+            # link() refuses to replace: a node that has ``dest`` mounted keeps its inode,
+            # and a concurrent builder that got there first wins without a second write.
+            os.link(tmp, dest)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                raise
+            # Filesystems without hard links: rename, which replaces same bytes with same.
+            if not dest.exists():
+                os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(dest.parent)
+
+    def _adopt(
+        self,
+        tmp: Path,
+        digest: str,
+        *,
+        kind: str,
+        source: str,
+        meta: dict[str, str] | None,
+    ) -> LayerInfo:
+        hex_ = digest.split(":", 1)[1]
+        dest = self._layers_dir / f"{hex_}.erofs"
+        manifest = self._layers_dir / f"{hex_}.json"
+        size = tmp.stat().st_size
+        self._place(tmp, dest)
+        if manifest.exists():
+            # Deduplicated: the first build's record (its kind, source and time) stands.
+            try:
+                return self.layer(digest)
+            except (LayerNotFound, LayerCorrupt):
+                pass  # unreadable record: rewrite it below
+        info = LayerInfo(digest=digest, size=size, kind=kind, source=source, meta=dict(meta or {}))
+        self._write_atomic(manifest, info.model_dump_json(indent=1).encode())
+        return info
+
+    # ---------------------------------------------------------------------- layers
+
+    def add_dir(
+        self,
+        src: Path,
+        *,
+        kind: str,
+        source: str = "",
+        meta: dict[str, str] | None = None,
+        progress: Progress | None = None,
+    ) -> LayerInfo:
+        """Build an EROFS layer from the tree at ``src`` and add it (deduplicated by digest).
+
+        Owners, modes, mtimes, links, xattrs and overlay whiteouts of ``src`` are kept.
+        """
+        src = Path(src)
+        if not src.is_dir():
+            raise BuildError(f"cannot build a layer from {src}: not a directory")
+        tmp = self._tmp_path(".erofs")
+        try:
+            with Step(progress, f"mkfs.erofs {src.name or src}"):
+                erofs.mkfs(src, tmp, compress=self.compress)
+            with Step(progress, "sha256", total=tmp.stat().st_size) as step:
+                digest = _hash_file(tmp, step)
+            meta = {"compression": self.compress or "none", **(meta or {})}
+            return self._adopt(tmp, digest, kind=kind, source=source, meta=meta)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def add_file(
+        self,
+        erofs_file: Path,
+        *,
+        kind: str,
+        source: str = "",
+        meta: dict[str, str] | None = None,
+    ) -> LayerInfo:
+        """Adopt an already-built EROFS image: copy it into the store (hashing on the way)."""
+        erofs_file = Path(erofs_file)
+        try:
+            with open(erofs_file, "rb") as f:
+                f.seek(1024)
+                magic = f.read(4)
+        except OSError as e:
+            raise InvalidRequest(f"cannot read layer file {erofs_file}: {e.strerror}") from None
+        if int.from_bytes(magic, "little") != erofs.EROFS_MAGIC:
+            raise InvalidRequest(f"{erofs_file} is not an EROFS image (no EROFS magic at 1024)")
+        tmp = self._tmp_path(".erofs")
+        try:
+            h = hashlib.sha256()
+            with open(erofs_file, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(_CHUNK):
+                    h.update(chunk)
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+            return self._adopt(tmp, "sha256:" + h.hexdigest(), kind=kind, source=source, meta=meta)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _layer_paths(self, digest: str) -> tuple[Path, Path]:
+        hex_ = check_digest(digest).split(":", 1)[1]
+        return self._layers_dir / f"{hex_}.erofs", self._layers_dir / f"{hex_}.json"
+
+    def layer(self, digest: str) -> LayerInfo:
+        """The record of one layer; LayerNotFound if the store does not have it."""
+        _, manifest = self._layer_paths(digest)
+        try:
+            data = manifest.read_bytes()
+        except FileNotFoundError:
+            raise LayerNotFound(f"layer {digest} is not in the store at {self.root}") from None
+        try:
+            return LayerInfo.model_validate_json(data)
+        except ValidationError as e:
+            raise LayerCorrupt(
+                f"the record of layer {digest} ({manifest}) is invalid: {e}"
+            ) from None
+
+    def layers(self) -> list[LayerInfo]:
+        """Every layer, oldest first."""
+        out = []
+        for p in self._layers_dir.glob("*.json"):
+            try:
+                out.append(LayerInfo.model_validate_json(p.read_bytes()))
+            except (OSError, ValidationError):
+                continue  # vanished or half-removed meanwhile: not a layer any more
+        return sorted(out, key=lambda i: (i.created_at, i.digest))
+
+    def path_of(self, digest: str) -> Path:
+        """The ``.erofs`` file of a layer (LayerNotFound if absent)."""
+        path, _ = self._layer_paths(digest)
+        if not path.is_file():
+            raise LayerNotFound(f"layer {digest} has no file in the store at {self.root}")
+        return path
+
+    def verify(self, digest: str) -> None:
+        """Re-hash the layer file; LayerCorrupt if it does not match its digest.
+
+        A good result is remembered per (device, inode, size, mtime) of the file, so a
+        node pays for the hash once per layer, and a replaced or rewritten file is checked
+        again.
+        """
+        path = self.path_of(digest)
+        st = path.stat()
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._verified.get(digest) == key:
+            return
+        actual = _hash_file(path)
+        if actual != digest:
+            with self._lock:
+                self._verified.pop(digest, None)
+            raise LayerCorrupt(
+                f"layer file {path} is corrupt: its content hashes to {actual}, not {digest}"
+            )
+        with self._lock:
+            self._verified[digest] = key
+
+    def remove_layer(self, digest: str) -> None:
+        """Delete a layer; Conflict if an image references it."""
+        path, manifest = self._layer_paths(digest)
+        if not manifest.exists() and not path.exists():
+            raise LayerNotFound(f"layer {digest} is not in the store at {self.root}")
+        users = sorted(i.name for i in self.images() if digest in i.layers)
+        if users:
+            raise Conflict(
+                f"layer {digest} is used by image(s) {', '.join(users)}; remove those images first"
+            )
+        # Record first: a file without a record is invisible; a record without a file
+        # would be a broken layer.
+        manifest.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._verified.pop(digest, None)
+        _fsync_dir(self._layers_dir)
+
+    # ---------------------------------------------------------------------- images
+
+    def _image_path(self, name: str) -> Path:
+        return self._images_dir / (quote(name, safe="") + ".json")
+
+    def put_image(
+        self,
+        name: str,
+        layers: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        workdir: str = "/",
+    ) -> ImageInfo:
+        """Write (or replace) the manifest of image ``name``: ``layers`` bottom first.
+
+        Only a manifest is written; every layer must already be in the store.
+        """
+        check_image_name(name)
+        if not layers:
+            raise InvalidRequest(f"image {name!r} needs at least one layer")
+        for d in layers:
+            check_digest(d)
+        missing = [d for d in layers if not self._layer_paths(d)[1].exists()]
+        if missing:
+            raise LayerNotFound(
+                f"image {name!r} names layer(s) not in the store: {', '.join(missing)}"
+            )
+        env = dict(env or {})
+        if not isinstance(workdir, str) or not workdir.startswith("/"):
+            raise InvalidRequest(f"image {name!r}: workdir {workdir!r} must be an absolute path")
+        try:
+            info = ImageInfo(
+                name=name,
+                digest=image_digest(name, list(layers), env, workdir),
+                layers=list(layers),
+                env=env,
+                workdir=workdir,
+            )
+        except ValidationError as e:
+            raise InvalidRequest(f"image {name!r}: {e}") from None
+        self._write_atomic(self._image_path(name), info.model_dump_json(indent=1).encode())
+        return info
+
+    def image(self, ref: str) -> ImageInfo:
+        """An image by name or by ``sha256:`` manifest digest; ImageNotFound lists near names."""
+        if isinstance(ref, str) and ref.startswith("sha256:"):
+            check_digest(ref, "image digest")
+            for info in self.images():
+                if info.digest == ref:
+                    return info
+            raise ImageNotFound(f"no image in the store at {self.root} has digest {ref}")
+        check_image_name(ref)
+        try:
+            return ImageInfo.model_validate_json(self._image_path(ref).read_bytes())
+        except FileNotFoundError:
+            pass
+        names = [i.name for i in self.images()]
+        close = difflib.get_close_matches(ref, names, n=5, cutoff=0.5)
+        hint = (
+            f"; did you mean {', '.join(close)}?"
+            if close
+            else (
+                f"; the store has {len(names)} image(s)" if names else "; the store has no images"
+            )
+        )
+        raise ImageNotFound(f"image {ref!r} not found{hint}")
+
+    def images(self) -> list[ImageInfo]:
+        """Every image, by name."""
+        out = []
+        for p in self._images_dir.glob("*.json"):
+            try:
+                out.append(ImageInfo.model_validate_json(p.read_bytes()))
+            except (OSError, ValidationError):
+                continue
+        return sorted(out, key=lambda i: i.name)
+
+    def remove_image(self, name: str) -> None:
+        """Delete an image manifest (its layers stay; remove them with remove_layer)."""
+        info = self.image(name)
+        self._image_path(info.name).unlink(missing_ok=True)
+        _fsync_dir(self._images_dir)
+
+    # ---------------------------------------------------------------------- upkeep
+
+    def clean_tmp(self, older_than: float = 6 * 3600) -> int:
+        """Remove files left in ``tmp/`` by builders that died; returns how many."""
+        cutoff = time.time() - older_than
+        removed = 0
+        for p in self._tmp_dir.iterdir():
+            try:
+                if p.lstat().st_mtime < cutoff:
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p)
+                    else:
+                        p.unlink()
+                    removed += 1
+            except OSError:
+                continue
+        return removed
