@@ -30,7 +30,7 @@ def _ensure_images() -> None:
     store = LayerStore(TEST_STORE)
     names = {i.name for i in store.images()}
     if "test/debian" not in names:
-        layer = build.build_debian(store, "bookworm", include=["python3"])
+        layer = build.build_debian(store, "bookworm", include=["python3", "python3-pip"])
         store.put_image("test/debian", [layer.digest])
     if "test/busybox" not in names:
         tmp = TEST_STORE / "tmp" / "busybox-src"

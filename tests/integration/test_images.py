@@ -48,7 +48,7 @@ from tests.conftest import TEST_STORE
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, mounts)")
 
-DEBIAN_IMAGE = "test/bookworm-python"
+DEBIAN_IMAGE = "test/debian"  # shared with tests/integration/conftest.py
 OPAQUE = "trusted.overlay.opaque"
 
 

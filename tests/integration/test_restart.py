@@ -43,7 +43,7 @@ async def test_sandboxes_survive_restart(images_ready):
         await node.sandbox_destroy(info.id)
     finally:
         await node.close()
-    found = leaks.scan(STATE, RUN, SUBTREE)
+    found = leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)
     assert leaks.total(found) == 0, found
 
 
@@ -59,6 +59,6 @@ async def test_gc_after_crash(images_ready):
         assert removed["containers"] == 1 and removed["subvols"] == 1
     finally:
         await node.close()
-    found = leaks.scan(STATE, RUN, SUBTREE)
+    found = leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)
     assert leaks.total(found) == 0, found
     shutil.rmtree(RUN, ignore_errors=True)
