@@ -179,9 +179,10 @@ class ContainerBackend:
             return True
         return True
 
-    async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> None:
+    async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> bool:
         """SIGKILL the init (the kernel then kills its whole pid namespace) and wait until no
-        process of the sandbox is left, so destroy never returns with guest processes alive."""
+        process of the sandbox is left, so destroy never returns with guest processes alive.
+        True when the sandbox's cgroup was seen empty."""
         pid = self.init_pid(sandbox_id)
         if pid:
             try:
@@ -200,10 +201,11 @@ class ContainerBackend:
         while loop.time() < deadline:
             try:
                 if not self.cgroups.procs(sandbox_id):
-                    return
+                    return True
             except Exception:
-                return  # no cgroup: nothing can be left in it
+                return False  # no cgroup (never created, or removed): let the runtime decide
             await asyncio.sleep(0.002)
+        return False
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> bool:
         return self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
@@ -221,9 +223,14 @@ class ContainerBackend:
             except Exception as e:  # keep going: a half-destroyed sandbox is worse
                 errors.append(f"{what}: {e}")
 
-        await step("kill", lambda: self.kill_all(sandbox_id))
-        await step("runtime delete", lambda: self.runtime.delete(sandbox_id, force=True))
-        await step("cgroup", lambda: self.cgroups.remove(sandbox_id))
+        if await self.kill_all(sandbox_id):
+            # Every process is gone: remove the cgroup and the runtime's record directly,
+            # saving a runtime process per destroy.
+            await step("cgroup", lambda: self.cgroups.remove(sandbox_id))
+            await step("runtime state", lambda: self.runtime.forget_stopped(sandbox_id))
+        else:
+            await step("runtime delete", lambda: self.runtime.delete(sandbox_id, force=True))
+            await step("cgroup", lambda: self.cgroups.remove(sandbox_id))
         root = self.rootfs(sandbox_id)
         await step("rootfs umount", lambda: mounts.umount(root, detach=True, busy_wait=1.0))
         await step("writable layer", lambda: self.scratch.delete_subvol(sandbox_id))

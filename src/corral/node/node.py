@@ -198,8 +198,9 @@ class Node:
         self.layers.unmount_all()
         await asyncio.to_thread(self.scratch.teardown)
         self.cgroups.remove_subtree_if_empty()
-        with contextlib.suppress(OSError):
-            self.runtime.root.rmdir()
+        for d in (self.runtime.root, self.runtime.root.with_name(self.runtime.root.name + "-log")):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     async def __aenter__(self) -> Node:
         return self
