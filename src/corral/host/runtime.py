@@ -123,7 +123,11 @@ class OCIRuntime:
         log_dir.mkdir(mode=0o700, exist_ok=True)
         fd, log = tempfile.mkstemp(prefix=f"{container_id}.", suffix=".log", dir=log_dir)
         os.close(fd)
-        args = [f"--log={log}", "--log-format=json", "run", "--detach", "--bundle", str(bundle)]
+        # --no-new-keyring: a session keyring per container would count against the kernel's
+        # 200-key quota of the one host uid all sandboxes map to (creates failed past ~195);
+        # the guest cannot use keyrings anyway (keyctl/add_key/request_key are denied by seccomp).
+        args = [f"--log={log}", "--log-format=json", "run", "--detach", "--no-new-keyring",
+                "--bundle", str(bundle)]
         if pass_fd is not None:
             args += ["--preserve-fds", "1"]
         args.append(container_id)

@@ -1,0 +1,86 @@
+"""Host memory as the kernel counts it, for ``corral bench density``.
+
+The headline figure is the growth of ``MemTotal - MemAvailable`` (from /proc/meminfo)
+while N idle sandboxes exist, divided by N. ``MemAvailable`` already counts clean page
+cache and reclaimable slab as available, so the shared, reclaimable page cache of the
+image's layers is not charged to the sandboxes, while everything they pin is: process
+memory, page tables, tmpfs/shmem, unreclaimable kernel objects (namespaces, mounts,
+cgroups, sockets). We do not drop the page cache (``drop_caches`` is host-wide and would
+disturb whatever else runs on this shared machine); MemAvailable makes it unnecessary.
+
+Beside it we report the ``Slab``/``SUnreclaim`` growth (the kernel's share) and the
+memory cgroup's own usage for the sandboxes' subtree (what a limit would see: v1
+``memory.usage_in_bytes`` includes page cache and kernel memory charged to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MemSample", "sample", "cgroup_usage", "rss_sum", "MIB"]
+
+MIB = 1 << 20
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class MemSample:
+    """One reading of /proc/meminfo, in bytes."""
+
+    total: int
+    available: int
+    slab: int
+    sunreclaim: int
+    shmem: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.available
+
+
+def _meminfo(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
+
+
+def sample(text: str | None = None) -> MemSample:
+    """Read /proc/meminfo (or parse ``text``)."""
+    m = _meminfo(text if text is not None else Path("/proc/meminfo").read_text())
+    return MemSample(
+        total=m["MemTotal"],
+        available=m["MemAvailable"],
+        slab=m.get("Slab", 0),
+        sunreclaim=m.get("SUnreclaim", 0),
+        shmem=m.get("Shmem", 0),
+    )
+
+
+def cgroup_usage(subtree: str) -> int | None:
+    """Bytes charged to the memory cgroup ``subtree`` (v1 or v2), None if absent."""
+    for path in (
+        _CGROUP / "memory" / subtree / "memory.usage_in_bytes",
+        _CGROUP / subtree / "memory.current",
+        _CGROUP / "unified" / subtree / "memory.current",
+    ):
+        with contextlib.suppress(OSError, ValueError):
+            return int(path.read_text())
+    return None
+
+
+def rss_sum(pids: list[int]) -> int:
+    """Proportional set size (bytes) of ``pids`` together; vanished pids count 0."""
+    total = 0
+    for pid in set(pids):
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+    return total

@@ -1,0 +1,62 @@
+"""Percentiles for benchmark figures.
+
+Nearest-rank percentiles: the reported value is always one that was really measured
+(no interpolation between two samples), which is what a p99 over a few hundred samples
+should mean.
+
+Example:
+    >>> p50([3.0, 1.0, 2.0])
+    2.0
+    >>> summary_ms([0.010, 0.020, 0.030, 0.040])["p50_ms"]
+    20.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["percentile", "p50", "p99", "summary_ms", "rate"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``.
+
+    The smallest sample such that at least ``q`` percent of the samples are <= it.
+    """
+    if not values:
+        raise ValueError("percentile of no samples: the scenario measured nothing")
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile {q} is outside (0, 100]")
+    ordered = sorted(values)
+    # Rounding guards against 99/100*100 landing a hair above an integer.
+    rank = math.ceil(round(q / 100 * len(ordered), 9))
+    return ordered[max(rank, 1) - 1]
+
+
+def p50(values: Sequence[float]) -> float:
+    """Median by nearest rank (for an even count, the lower middle sample)."""
+    return percentile(values, 50)
+
+
+def p99(values: Sequence[float]) -> float:
+    """99th percentile by nearest rank (the maximum when there are fewer than 100 samples)."""
+    return percentile(values, 99)
+
+
+def rate(count: int, wall_seconds: float) -> float:
+    """Operations per second over a wall-clock interval, rounded to 2 decimals."""
+    if wall_seconds <= 0:
+        raise ValueError("rate over an empty interval")
+    return round(count / wall_seconds, 2)
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
+    """``{"p50_ms", "p99_ms", "min_ms", "max_ms", "n"}`` of latencies given in seconds."""
+    return {
+        "p50_ms": round(p50(seconds) * 1000, 2),
+        "p99_ms": round(p99(seconds) * 1000, 2),
+        "min_ms": round(min(seconds) * 1000, 2),
+        "max_ms": round(max(seconds) * 1000, 2),
+        "n": len(seconds),
+    }

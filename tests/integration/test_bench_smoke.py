@@ -1,0 +1,74 @@
+"""``corral bench create`` and ``exec`` end to end at tiny counts (no Docker): the last
+stdout line is one JSON object of the documented shape."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_STORE
+
+STATE = Path("/var/lib/corral-test-bench")
+RUN = Path("/run/corral-test-bench")
+
+
+@pytest.fixture(scope="module")
+def bench(images_ready):  # type: ignore[no-untyped-def]
+    def run(*args: str) -> dict:  # type: ignore[type-arg]
+        argv = [
+            sys.executable,
+            "-m",
+            "corral.bench.cli",
+            *args,
+            "--json",
+            "--state-dir",
+            str(STATE),
+            "--run-dir",
+            str(RUN),
+            "--cgroup-subtree",
+            "corral-test-bench",
+            "--store",
+            str(TEST_STORE),
+            "--image",
+            "test/busybox",
+        ]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = r.stdout.strip().splitlines()
+        assert lines, r.stderr[-3000:]
+        return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+    try:
+        yield run
+    finally:
+        shutil.rmtree(RUN, ignore_errors=True)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+def _figures(d: dict, keys: tuple[str, ...]) -> None:  # type: ignore[type-arg]
+    for k in keys:
+        assert isinstance(d[k], int | float) and d[k] > 0, (k, d)
+
+
+def test_create_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("create", "--count", "3", "--concurrency", "2")
+    assert out["scenario"] == "create"
+    assert out["count"] == 3 and out["concurrency"] == 2
+    assert out["image"] == "test/busybox"
+    _figures(out["corral"], ("p50_ms", "p99_ms", "per_s"))
+    assert out["corral"]["n"] == 3 and out["corral"]["errors"] == 0
+    assert out["corral"]["p50_ms"] <= out["corral"]["p99_ms"]
+    assert out["docker"] is None
+
+
+def test_exec_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("exec", "--count", "5")
+    assert out["scenario"] == "exec" and out["count"] == 5
+    _figures(out["corral"], ("p50_ms", "p99_ms"))
+    assert out["corral"]["n"] == 5
+    assert out["docker"] is None
