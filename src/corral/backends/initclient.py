@@ -1,0 +1,615 @@
+"""Client of corral-init's control socket (the protocol: docs/init-protocol.md).
+
+One unix connection per request: the init answers and closes, and closing early is the
+way to abandon a running exec (the init then kills its process group)::
+
+    init = InitClient("/var/lib/corral/sandboxes/sb-1/ctl.sock")
+    r = await init.exec(["echo", "hi"], env={"PATH": "/usr/bin:/bin"})
+    assert (r.reason, r.code, r.stdout) == ("exited", 0, b"hi\\n")
+
+    async with init.stream(["sh", "-c", "echo a; echo b >&2"], env=env) as s:
+        async for name, data in s:       # ("stdout", b"a\\n"), ("stderr", b"b\\n")
+            ...
+    s.result.code                        # 0
+
+Errors: an unreachable init or a broken exchange raise SandboxError; an init answer of
+"no such background process" raises ProcessNotFound; a field the init refuses raises
+SandboxError with its message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import math
+import os
+import struct
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from corral.errors import InvalidRequest, ProcessNotFound, SandboxError
+
+__all__ = ["InitClient", "InitExit", "InitProc", "ExecStream"]
+
+# field tags
+OP, ARG, ENV, CWD, UID, GID, TIMEOUT_MS, OUTPUT_LIMIT, STDIN, TTY = range(1, 11)
+ROWS, COLS, ID, SIGNAL, WAIT_MS, PID, REASON, CODE, OUT_TRUNC, ERR_TRUNC = range(11, 21)
+DURATION_US, RUNNING, MESSAGE, GROUPS, OUT_LEN, ERR_LEN = range(21, 27)
+
+# frame types (as the int a bytes index gives)
+_Q, _I, _K, _W = b"Q"[0], b"I"[0], b"K"[0], b"W"[0]
+_S, _O, _E, _X, _P, _A, _N, _R = (c for c in b"SOEXPANR")
+
+MAX_FRAME = 16 << 20
+_STDIN_CHUNK = 1 << 20
+_GUARD = 30.0
+"""Seconds past an exec's own timeout before we stop trusting the init to answer."""
+
+_HDR = struct.Struct(">IB")
+_FLD = struct.Struct(">BI")
+
+
+@dataclass
+class InitExit:
+    """How a process ended, as the init reported it."""
+
+    reason: str
+    """exited | signaled | timeout | output_limit"""
+    code: int | None
+    """Exit status when the process exited by itself."""
+    signal: int | None
+    """Terminating signal when it was killed (9 after timeout / output_limit)."""
+    stdout: bytes
+    stderr: bytes
+    out_trunc: bool
+    err_trunc: bool
+    duration: float
+    """Seconds from fork to the direct child's exit."""
+    pid: int
+    out_len: int
+    """Bytes the process wrote to stdout, counted also past the limit."""
+    err_len: int
+
+
+@dataclass
+class InitProc:
+    """A background process (spawn) as wait/list see it."""
+
+    id: str
+    pid: int
+    running: bool
+    argv: list[str]
+    stdout: bytes
+    """The buffered output (the first output_limit bytes); empty in list()."""
+    stderr: bytes
+    exit: InitExit | None
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _b(v: str | bytes | int) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, int):
+        return str(v).encode()
+    return os.fsencode(v)
+
+
+def _field(tag: int, v: str | bytes | int) -> bytes:
+    b = _b(v)
+    return _FLD.pack(tag, len(b)) + b
+
+
+def _frame(type_: int, payload: bytes = b"") -> bytes:
+    if len(payload) + 1 > MAX_FRAME:
+        raise InvalidRequest(f"request of {len(payload)} bytes exceeds the 16 MiB frame limit")
+    return _HDR.pack(len(payload) + 1, type_) + payload
+
+
+def _stdin_frames(data: bytes) -> bytes:
+    return b"".join(
+        _frame(_I, data[i : i + _STDIN_CHUNK]) for i in range(0, len(data), _STDIN_CHUNK)
+    )
+
+
+def _ms(seconds: float, what: str) -> int:
+    if not seconds > 0 or math.isinf(seconds):
+        raise InvalidRequest(f"{what}: {seconds!r} is not a positive number of seconds")
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _start_payload(
+    op: str,
+    argv: Iterable[str],
+    env: Mapping[str, str],
+    cwd: str,
+    uid: int,
+    gid: int,
+    groups: Iterable[int],
+    timeout: float | None,
+    output_limit: int,
+    stdin: bool,
+    tty: bool = False,
+    rows: int = 24,
+    cols: int = 80,
+) -> bytes:
+    args = [_b(a) for a in argv]
+    if not args or not args[0]:
+        raise InvalidRequest("argv: a command needs at least a non-empty program name")
+    if any(b"\0" in a for a in args):
+        raise InvalidRequest("argv: arguments cannot contain NUL bytes")
+    if output_limit < 0:
+        raise InvalidRequest(f"output_limit: {output_limit} is negative")
+    parts = [_field(OP, op)]
+    parts += [_FLD.pack(ARG, len(a)) + a for a in args]
+    for k, v in env.items():
+        kv = _b(k) + b"=" + _b(v)
+        if not k or "=" in k or b"\0" in kv:
+            raise InvalidRequest(f"env: {k!r} is not a valid variable (name or NUL byte)")
+        parts.append(_FLD.pack(ENV, len(kv)) + kv)
+    parts += [
+        _field(CWD, cwd),
+        _field(UID, uid),
+        _field(GID, gid),
+        _field(GROUPS, ",".join(str(int(g)) for g in groups)),
+        _field(OUTPUT_LIMIT, output_limit),
+    ]
+    if timeout is not None:
+        parts.append(_field(TIMEOUT_MS, _ms(timeout, "timeout")))
+    if stdin:
+        parts.append(_field(STDIN, "1"))
+    if tty:
+        parts += [_field(TTY, "1"), _field(ROWS, rows), _field(COLS, cols)]
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _decode(payload: bytes) -> tuple[dict[int, bytes], list[bytes]]:
+    """Scalar fields by tag (the last one wins) and the repeated ARG fields in order."""
+    fields: dict[int, bytes] = {}
+    args: list[bytes] = []
+    i, n = 0, len(payload)
+    while i < n:
+        if n - i < 5:
+            raise SandboxError("init sent a malformed field (truncated header)")
+        tag, ln = _FLD.unpack_from(payload, i)
+        i += 5
+        if ln > n - i:
+            raise SandboxError("init sent a malformed field (length past the frame)")
+        v = payload[i : i + ln]
+        i += ln
+        if tag == ARG:
+            args.append(v)
+        else:
+            fields[tag] = v
+    return fields, args
+
+
+def _int(f: dict[int, bytes], tag: int) -> int | None:
+    v = f.get(tag)
+    if v is None or v == b"":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise SandboxError(f"init sent a non-numeric field {tag}: {v[:40]!r}") from None
+
+
+def _exit_from(f: dict[int, bytes], stdout: bytes, stderr: bytes, pid: int) -> InitExit:
+    return InitExit(
+        reason=f.get(REASON, b"").decode(errors="replace"),
+        code=_int(f, CODE),
+        signal=_int(f, SIGNAL),
+        stdout=stdout,
+        stderr=stderr,
+        out_trunc=f.get(OUT_TRUNC) == b"1",
+        err_trunc=f.get(ERR_TRUNC) == b"1",
+        duration=(_int(f, DURATION_US) or 0) / 1e6,
+        pid=_int(f, PID) or pid,
+        out_len=_int(f, OUT_LEN) or 0,
+        err_len=_int(f, ERR_LEN) or 0,
+    )
+
+
+def _error(body: bytes, op: str, path: str) -> Exception:
+    f, _ = _decode(body)
+    msg = f.get(MESSAGE, b"").decode(errors="replace") or "no message"
+    if _int(f, CODE) == errno.ESRCH and op in ("wait", "kill", "forget"):
+        return ProcessNotFound(msg)
+    return SandboxError(f"init at {path} refused {op}: {msg}")
+
+
+def _proc_from(
+    entry: dict[int, bytes],
+    args: list[bytes],
+    stdout: bytes,
+    stderr: bytes,
+    exit_fields: dict[int, bytes] | None,
+) -> InitProc:
+    pid = _int(entry, PID) or 0
+    ended = entry.get(RUNNING) == b"0"
+    exit_: InitExit | None = None
+    if exit_fields is not None:
+        exit_ = _exit_from(exit_fields, stdout, stderr, pid)
+    elif ended:
+        exit_ = _exit_from(entry, b"", b"", pid)
+    return InitProc(
+        id=entry.get(ID, b"").decode(errors="replace"),
+        pid=pid,
+        running=not ended,
+        argv=[os.fsdecode(a) for a in args],
+        stdout=stdout,
+        stderr=stderr,
+        exit=exit_,
+    )
+
+
+# ---------------------------------------------------------------- connection
+
+
+class _Conn:
+    """One connection: frame reads over a StreamReader, with clear errors."""
+
+    __slots__ = ("reader", "writer", "path", "op")
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str, op: str
+    ) -> None:
+        self.reader, self.writer, self.path, self.op = reader, writer, path, op
+
+    async def frame(self) -> tuple[int, bytes]:
+        try:
+            hdr = await self.reader.readexactly(5)
+            n, t = _HDR.unpack(hdr)
+            if not 1 <= n <= MAX_FRAME:
+                raise SandboxError(f"init at {self.path} sent a bad frame length {n} ({self.op})")
+            body = await self.reader.readexactly(n - 1) if n > 1 else b""
+        except asyncio.IncompleteReadError:
+            raise SandboxError(
+                f"init at {self.path} closed the connection before answering {self.op} "
+                "(did the sandbox stop?)"
+            ) from None
+        except ConnectionError as e:
+            raise SandboxError(
+                f"init at {self.path} dropped the connection ({self.op}): {e}"
+            ) from None
+        if t == _R:
+            raise _error(body, self.op, self.path)
+        return t, body
+
+    def unexpected(self, t: int) -> SandboxError:
+        return SandboxError(
+            f"init at {self.path} broke the protocol: frame {chr(t)!r} during {self.op}"
+        )
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.writer.write(data)
+        except ConnectionError:
+            pass  # the init already answered and closed; its answer is still to be read
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class InitClient:
+    """Talks to one sandbox's init over its host-side control socket."""
+
+    def __init__(self, sock_path: str | Path, connect_timeout: float = 5.0) -> None:
+        self.path = str(sock_path)
+        self.connect_timeout = connect_timeout
+
+    async def _connect(self, op: str) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                r, w = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        except FileNotFoundError:
+            raise SandboxError(
+                f"init control socket {self.path} does not exist (sandbox not running?)"
+            ) from None
+        except ConnectionRefusedError:
+            raise SandboxError(
+                f"init control socket {self.path} refused the connection (init not running)"
+            ) from None
+        except TimeoutError:
+            raise SandboxError(
+                f"init control socket {self.path}: no connection within "
+                f"{self.connect_timeout} s (init stuck?)"
+            ) from None
+        except OSError as e:
+            raise SandboxError(f"init control socket {self.path}: {e}") from None
+        return _Conn(r, w, self.path, op)
+
+    async def _call(
+        self, op: str, payload: bytes, guard: float | None = None
+    ) -> list[tuple[int, bytes]]:
+        """Send one Q and collect frames up to the one that ends the answer."""
+        c = await self._connect(op)
+        try:
+            c.send(_frame(_Q, payload))
+            frames: list[tuple[int, bytes]] = []
+            async with asyncio.timeout(guard):
+                while True:
+                    t, body = await c.frame()
+                    frames.append((t, body))
+                    if t in (_A, _X, _N) or (t == _S and op == "spawn"):
+                        return frames
+        except TimeoutError:
+            raise SandboxError(f"init at {self.path} did not answer {op} in {guard} s") from None
+        finally:
+            c.close()
+
+    async def ping(self) -> None:
+        """Round trip to the init; raises SandboxError when it does not answer."""
+        await self._call("ping", _field(OP, "ping"), guard=self.connect_timeout + _GUARD)
+
+    async def exec(
+        self,
+        argv: Iterable[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        timeout: float | None = None,
+        output_limit: int = 1 << 20,
+        stdin: bytes | None = None,
+    ) -> InitExit:
+        """Run a command to its end and return its exit and (capped) output.
+
+        ``env`` is the complete environment (PATH is searched in it). Without ``stdin``
+        the process reads /dev/null.
+        """
+        payload = _start_payload(
+            "exec", argv, env, cwd, uid, gid, groups, timeout, output_limit, stdin is not None
+        )
+        data = _frame(_Q, payload)
+        if stdin is not None:
+            # pipelined behind the request: no round trip waiting for S
+            data += _stdin_frames(stdin) + _frame(_I)
+        c = await self._connect("exec")
+        try:
+            c.send(data)
+            out: list[bytes] = []
+            err: list[bytes] = []
+            pid = 0
+            async with asyncio.timeout(None if timeout is None else timeout + _GUARD):
+                while True:
+                    t, body = await c.frame()
+                    if t == _O:
+                        out.append(body)
+                    elif t == _E:
+                        err.append(body)
+                    elif t == _X:
+                        f, _ = _decode(body)
+                        return _exit_from(f, b"".join(out), b"".join(err), pid)
+                    elif t == _S:
+                        pid = _int(_decode(body)[0], PID) or 0
+                    else:
+                        raise c.unexpected(t)
+        except TimeoutError:
+            raise SandboxError(
+                f"init at {self.path} reported no exit {_GUARD:.0f} s past the timeout"
+            ) from None
+        finally:
+            c.close()
+
+    def stream(
+        self,
+        argv: Iterable[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        timeout: float | None = None,
+        output_limit: int = 1 << 20,
+        stdin: bytes | None = None,
+        stdin_pipe: bool = False,
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+    ) -> ExecStream:
+        """An exec whose output arrives as it is written; see :class:`ExecStream`.
+
+        ``stdin`` bytes are sent (and stdin closed) right away; with ``stdin_pipe`` the
+        caller writes with ``write`` and ends with ``close_stdin``. With ``tty`` the
+        process runs on a new pty of ``rows`` x ``cols`` and everything comes as stdout.
+        """
+        payload = _start_payload(
+            "exec",
+            argv,
+            env,
+            cwd,
+            uid,
+            gid,
+            groups,
+            timeout,
+            output_limit,
+            stdin is not None or stdin_pipe,
+            tty,
+            rows,
+            cols,
+        )
+        data = _frame(_Q, payload)
+        if stdin is not None:
+            data += _stdin_frames(stdin) + (b"" if stdin_pipe else _frame(_I))
+        return ExecStream(self, data)
+
+    async def spawn(
+        self,
+        argv: Iterable[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        output_limit: int = 1 << 20,
+    ) -> tuple[str, int]:
+        """Start a background process; returns its (id, pid).
+
+        The init keeps the first ``output_limit`` bytes of each stream for ``wait``.
+        """
+        payload = _start_payload(
+            "spawn", argv, env, cwd, uid, gid, groups, None, output_limit, False
+        )
+        frames = await self._call("spawn", payload, guard=_GUARD)
+        f, _ = _decode(frames[-1][1])
+        return f.get(ID, b"").decode(), _int(f, PID) or 0
+
+    async def wait(self, proc_id: str, timeout: float | None = 0) -> InitProc:
+        """State and buffered output of a background process.
+
+        Waits up to ``timeout`` seconds for it to end (0: do not wait, None: forever).
+        Raises ProcessNotFound for an unknown id.
+        """
+        payload = _field(OP, "wait") + _field(ID, proc_id)
+        guard = None
+        if timeout is not None:
+            ms = 0 if timeout <= 0 else _ms(timeout, "timeout")
+            payload += _field(WAIT_MS, ms)
+            guard = timeout + _GUARD
+        frames = await self._call("wait", payload, guard=guard)
+        if not frames or frames[0][0] != _P:
+            raise SandboxError(f"init at {self.path} answered wait without a process entry")
+        entry, args = _decode(frames[0][1])
+        out = b"".join(b for t, b in frames if t == _O)
+        err = b"".join(b for t, b in frames if t == _E)
+        t, body = frames[-1]
+        return _proc_from(entry, args, out, err, _decode(body)[0] if t == _X else None)
+
+    async def kill(self, proc_id: str, sig: int = 9) -> None:
+        """Send ``sig`` to the process group of a background process."""
+        payload = _field(OP, "kill") + _field(ID, proc_id) + _field(SIGNAL, sig)
+        await self._call("kill", payload, guard=_GUARD)
+
+    async def list(self) -> list[InitProc]:
+        """Every background process the init knows (without their output)."""
+        frames = await self._call("list", _field(OP, "list"), guard=_GUARD)
+        procs = []
+        for t, body in frames:
+            if t == _P:
+                entry, args = _decode(body)
+                procs.append(_proc_from(entry, args, b"", b"", None))
+        return procs
+
+    async def forget(self, proc_id: str) -> None:
+        """Drop a background process and its buffers (killing it if it still runs)."""
+        await self._call("forget", _field(OP, "forget") + _field(ID, proc_id), guard=_GUARD)
+
+
+class ExecStream:
+    """A running exec: ``async with`` it, iterate its output, then read ``result``.
+
+    ::
+
+        async with client.stream(["cat"], env=env, stdin_pipe=True) as s:
+            await s.write(b"hi")
+            await s.close_stdin()
+            async for name, data in s:   # name is "stdout" or "stderr"
+                ...
+        s.result.code
+
+    Leaving the block before the end closes the connection, and the init kills the
+    process group. ``result.stdout``/``stderr`` hold everything that was yielded.
+    """
+
+    def __init__(self, client: InitClient, request: bytes) -> None:
+        self._client = client
+        self._request = request
+        self._conn: _Conn | None = None
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
+        self._result: InitExit | None = None
+        self.pid = 0
+        """The pid of the process inside the sandbox, known once the block is entered."""
+
+    async def __aenter__(self) -> ExecStream:
+        c = await self._client._connect("exec")
+        self._conn = c
+        try:
+            c.send(self._request)
+            t, body = await c.frame()
+            if t != _S:
+                raise c.unexpected(t)
+            self.pid = _int(_decode(body)[0], PID) or 0
+        except BaseException:
+            c.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        return self._frames()
+
+    async def _frames(self) -> AsyncIterator[tuple[str, bytes]]:
+        c = self._live()
+        while self._result is None:
+            t, body = await c.frame()
+            if t == _O:
+                self._out.append(body)
+                yield "stdout", body
+            elif t == _E:
+                self._err.append(body)
+                yield "stderr", body
+            elif t == _X:
+                f, _ = _decode(body)
+                self._result = _exit_from(f, b"".join(self._out), b"".join(self._err), self.pid)
+            else:
+                raise c.unexpected(t)
+
+    async def wait(self) -> InitExit:
+        """Read (and keep) the rest of the output; return the exit."""
+        async for _ in self:
+            pass
+        return self.result
+
+    @property
+    def result(self) -> InitExit:
+        """How the process ended; available once the iteration has finished."""
+        if self._result is None:
+            raise SandboxError("the exec has not ended yet: iterate the stream to its end")
+        return self._result
+
+    def _live(self) -> _Conn:
+        if self._conn is None:
+            raise SandboxError("use the exec stream inside `async with`")
+        return self._conn
+
+    async def _send(self, data: bytes) -> None:
+        c = self._live()
+        c.send(data)
+        try:
+            await c.writer.drain()
+        except ConnectionError:
+            pass  # the process ended and the init closed; the iteration reports how
+
+    async def write(self, data: bytes) -> None:
+        """Send bytes to the process's stdin (needs stdin_pipe=True)."""
+        if data:
+            await self._send(_stdin_frames(data))
+
+    async def close_stdin(self) -> None:
+        """End of input (with a tty: the EOF character, in canonical mode)."""
+        await self._send(_frame(_I))
+
+    async def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process group."""
+        await self._send(_frame(_K, _field(SIGNAL, sig)))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the tty's window size (the process gets SIGWINCH)."""
+        await self._send(_frame(_W, _field(ROWS, rows) + _field(COLS, cols)))
