@@ -541,9 +541,13 @@ def _plain_rootfs(base: Path) -> Path:
     return rootfs
 
 
-async def test_runc_run_detached_state_kill_delete(root: Path, cgroups: Cgroups) -> None:
-    rt = OCIRuntime.detect(cgroups.mode, root_base=root / "rt")
-    assert rt.name == ("crun" if cgroups.mode == "v2" else "runc")
+@pytest.mark.parametrize("prefer", [None, "runc", "crun"])
+async def test_runc_run_detached_state_kill_delete(
+    root: Path, cgroups: Cgroups, prefer: str | None
+) -> None:
+    rt = OCIRuntime.detect(cgroups.mode, root_base=root / "rt", prefer=prefer)
+    assert rt.name == (prefer or "crun")
+    assert rt.legacy_view == (rt.name == "crun" and cgroups.mode == "hybrid")
     cid = f"corral-test-{uuid.uuid4().hex[:8]}"
     bundle = _bundle(
         root / "bundle",

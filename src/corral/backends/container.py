@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -110,7 +111,7 @@ class ContainerBackend:
         lowers: list[Path] = []
         for digest in image.layers:
             lowers.append(self.layers.acquire(digest))
-            undo.append(lambda dg=digest: self.layers.release(dg))  # type: ignore[misc]
+            undo.append(functools.partial(self.layers.release, digest))
 
         sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
         undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
@@ -236,7 +237,7 @@ class ContainerBackend:
         await step("writable layer", lambda: self.scratch.delete_subvol(sandbox_id))
         if image is not None:
             for digest in image.layers:
-                await step(f"layer {digest[:19]}", lambda dg=digest: self.layers.release(dg))
+                await step(f"layer {digest[:19]}", functools.partial(self.layers.release, digest))
         await step("dir", lambda: _remove_dir(self.dir(sandbox_id)))
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))

@@ -27,7 +27,7 @@ def _mounts(prefixes: list[Path]) -> list[str]:
 
 
 def _cgroups(subtree: str) -> list[str]:
-    out = []
+    out: list[str] = []
     if not _CGROUP_ROOT.is_dir():
         return out
     for base in [_CGROUP_ROOT, *[p for p in _CGROUP_ROOT.iterdir() if p.is_dir()]]:
