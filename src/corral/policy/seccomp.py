@@ -67,6 +67,7 @@ ENOSYS = 38
 # Docker's unconditional allowlist (moby profiles/seccomp/default.json), by name. Names the
 # runtime's libseccomp does not know are skipped by runc; names that do not exist on an
 # architecture are simply absent from its filter.
+# fmt: off
 _DOCKER_ALLOWED: tuple[str, ...] = (
     "accept", "accept4", "access", "adjtimex", "alarm", "bind", "brk", "capget", "capset",
     "chdir", "chmod", "chown", "chown32", "clock_adjtime", "clock_adjtime64",
@@ -134,6 +135,7 @@ _NEWER_ALLOWED: tuple[str, ...] = (
     "cachestat", "fchmodat2", "futex_requeue", "futex_wait", "futex_wake",
     "map_shadow_stack", "mseal",
 )
+# fmt: on
 
 # Syscalls a guest never gets, with the reason. Every one is refused with EPERM (the
 # default action). Some are in Docker's allowlist, the others are only granted by Docker
@@ -336,8 +338,12 @@ _ARCHES: dict[str, dict[str, Any]] = {
         "architectures": ["SCMP_ARCH_AARCH64"],
         "compat": ["SCMP_ARCH_ARM"],
         "extra": [
-            "arm_fadvise64_64", "arm_sync_file_range", "sync_file_range2", "breakpoint",
-            "cacheflush", "set_tls",
+            "arm_fadvise64_64",
+            "arm_sync_file_range",
+            "sync_file_range2",
+            "breakpoint",
+            "cacheflush",
+            "set_tls",
         ],
     },
 }
@@ -354,8 +360,12 @@ _CLONE_NS_MASK = 0x7E020000
 _PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 
 
-def _rule(names: list[str], action: str, args: list[dict[str, Any]] | None = None,
-          errno: int | None = None) -> dict[str, Any]:
+def _rule(
+    names: list[str],
+    action: str,
+    args: list[dict[str, Any]] | None = None,
+    errno: int | None = None,
+) -> dict[str, Any]:
     rule: dict[str, Any] = {"names": names, "action": action}
     if errno is not None:
         rule["errnoRet"] = errno
@@ -374,30 +384,41 @@ def _build(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
     syscalls: list[dict[str, Any]] = [
         _rule(sorted({*ALLOWED, *a["extra"]}), "SCMP_ACT_ALLOW"),
         # clone(2) flags are the first argument on x86_64 and aarch64 (s390 differs).
-        _rule(["clone"], "SCMP_ACT_ALLOW",
-              [{"index": 0, "value": _CLONE_NS_MASK, "valueTwo": 0,
-                "op": "SCMP_CMP_MASKED_EQ"}]),
+        _rule(
+            ["clone"],
+            "SCMP_ACT_ALLOW",
+            [{"index": 0, "value": _CLONE_NS_MASK, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+        ),
         # clone3 passes its flags in memory, which seccomp cannot read: pretend it does not
         # exist, and glibc retries with clone (where the flags are checked).
         _rule(["clone3"], "SCMP_ACT_ERRNO", errno=ENOSYS),
     ]
     # An EQ test on personality fails closed: upper bits set by the guest only mismatch.
     syscalls += [
-        _rule(["personality"], "SCMP_ACT_ALLOW",
-              [{"index": 0, "value": p, "valueTwo": 0, "op": "SCMP_CMP_EQ"}])
+        _rule(
+            ["personality"],
+            "SCMP_ACT_ALLOW",
+            [{"index": 0, "value": p, "valueTwo": 0, "op": "SCMP_CMP_EQ"}],
+        )
         for p in _PERSONALITIES
     ]
     # socket() family is an int: compare only the low 32 bits, or a guest passing
     # 0xffffffff00000028 would slip AF_VSOCK past a 64-bit "!= 40" test (as in Docker's).
     # For MASKED_EQ, OCI "value" is the mask and "valueTwo" the datum (runc/libseccomp).
     syscalls += [
-        _rule(["socket"], "SCMP_ACT_ALLOW",
-              [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}])
+        _rule(
+            ["socket"],
+            "SCMP_ACT_ALLOW",
+            [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
         for fam in ALLOWED_SOCKET_FAMILIES.values()
     ]
     syscalls += [
-        _rule(["ioctl"], "SCMP_ACT_ALLOW",
-              [{"index": 1, "value": m, "valueTwo": v, "op": "SCMP_CMP_MASKED_EQ"}])
+        _rule(
+            ["ioctl"],
+            "SCMP_ACT_ALLOW",
+            [{"index": 1, "value": m, "valueTwo": v, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
         for m, v in ioctl_allow_rules()
     ]
     profile: dict[str, Any] = {
@@ -430,8 +451,13 @@ def default_profile(
 
 
 @functools.cache
-def profile_json(
+def shared_profile(
     arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False
-) -> str:
+) -> dict[str, Any]:
+    """The cached profile itself, not a copy (saves ~4 ms per sandbox create): read-only."""
+    return _cached(arch, compat32, log_denials)
+
+
+def profile_json(arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False) -> str:
     """:func:`default_profile` as compact JSON (cached: it is the same for every sandbox)."""
     return json.dumps(_cached(arch, compat32, log_denials), separators=(",", ":"))
