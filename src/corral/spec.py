@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Annotated, Literal
@@ -59,11 +60,16 @@ def parse_bytes(value: int | str) -> int:
             raise ValueError("a size cannot be negative")
         return value
     if isinstance(value, float):
+        if not math.isfinite(value):  # JSON 1e400 is inf: int() would raise OverflowError
+            raise ValueError(f"{value!r} is not a size")
         return parse_bytes(int(value))
     m = _SIZE_RE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{value!r} is not a size; use bytes or a unit such as 512MiB, 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"{str(value)[:40]!r}... is too large to be a size")
+    return int(size)
 
 
 def validation_message(err: Exception) -> str:

@@ -230,6 +230,7 @@ class Node:
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_open()
         image = self.store.image(spec.image)
+        _check_fits(spec, self.config)
         if len(self._live) >= self.config.max_sandboxes:
             raise CapacityError(
                 f"node {self.node_id} is full: {len(self._live)} sandboxes "
@@ -269,7 +270,7 @@ class Node:
         if info is None:
             info = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
             if info is None:
-                raise SandboxNotFound(f"no sandbox {sandbox_id!r} on node {self.node_id}")
+                raise SandboxNotFound(f"no sandbox {_shown(sandbox_id)} on node {self.node_id}")
         return info.model_copy(update={"last_active_at": self._touched.get(
             sandbox_id, info.last_active_at)})
 
@@ -622,7 +623,7 @@ class Node:
             old = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
             if old is not None:
                 raise SandboxNotFound(f"sandbox {sandbox_id} is {old.state}")
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on node {self.node_id}")
+            raise SandboxNotFound(f"no sandbox {_shown(sandbox_id)} on node {self.node_id}")
         return info
 
     def _active(self, sandbox_id: str) -> SandboxInfo:
@@ -676,6 +677,27 @@ class Node:
             elif not self.backend.alive(info.id):
                 self.state.add_event(info.id, "died", {})
                 await self._destroy(info, "destroyed")
+
+
+def _check_fits(spec: SandboxSpec, cfg: NodeConfig) -> None:
+    """Refuse limits no sandbox of this node can have: past them the kernel would wrap the
+    number (a btrfs quota is a u64, the OCI memory limit an int64) or ignore it."""
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if spec.limits.memory > mem:
+        raise InvalidRequest(
+            f"limits.memory: {spec.limits.memory} bytes is more than this node's memory "
+            f"({mem} bytes)"
+        )
+    if spec.limits.disk > cfg.scratch_size:
+        raise InvalidRequest(
+            f"limits.disk: {spec.limits.disk} bytes is more than this node's scratch "
+            f"filesystem ({cfg.scratch_size} bytes)"
+        )
+
+
+def _shown(sandbox_id: str) -> str:
+    """An id as quoted in an error: a caller's 20,000-character id is not echoed whole."""
+    return repr(sandbox_id) if len(sandbox_id) <= 80 else repr(sandbox_id[:80]) + "..."
 
 
 def _plausible_id(sandbox_id: str) -> bool:

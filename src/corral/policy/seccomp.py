@@ -4,10 +4,12 @@ Starting point: Docker's default profile for a process without CAP_SYS_ADMIN (de
 action ``SCMP_ACT_ERRNO``/EPERM, an allowlist, ``clone`` without namespace flags, ``clone3``
 answered ENOSYS so glibc falls back to ``clone``, a few ``personality`` values). On top of it
 corral removes from the allowlist what a hostile root guest should not reach at all
-(:data:`DENIED`) and filters ``ioctl`` (:data:`DENIED_IOCTLS`, :data:`DENIED_IOCTL_TYPES`).
+(:data:`DENIED`), filters ``ioctl`` (:data:`DENIED_IOCTLS`, :data:`DENIED_IOCTL_TYPES`) and
+admits ``socket`` only for :data:`ALLOWED_SOCKET_FAMILIES`. 32-bit ABIs (int 0x80, x32) are
+not in the filter: the runtime kills a process that uses them (SIGSYS).
 
 How the ioctl filter is built, and why (verified with libseccomp 2.5.4 as used by runc
-1.1.5, see tests/integration/test_policy.py):
+1.1.5 and crun 1.8.1, see tests/integration/test_policy.py):
 
 * An ``SCMP_ACT_ERRNO`` rule whose errno equals the default's is refused by libseccomp
   ("rule matches the default action", -EACCES) and runc drops it silently: such a
@@ -16,18 +18,24 @@ How the ioctl filter is built, and why (verified with libseccomp 2.5.4 as used b
   argument-conditional ERRNO rules for ``ioctl``, in whichever order they are added.
 * One rule cannot compare the same argument twice (-EINVAL), so "allow if cmd != A and
   cmd != B" is not expressible as one rule.
-* The kernel reads the ioctl command as a 32-bit ``unsigned int``: a guest can set the
-  upper 32 bits of the register freely. ``SCMP_CMP_EQ``/``LT``/``GT`` compare all 64 bits and
-  are therefore bypassable for deny decisions.
+* The kernel reads the ioctl command as a 32-bit ``unsigned int`` (and the socket family as
+  an ``int``): a guest can set the upper 32 bits of the register freely.
+  ``SCMP_CMP_EQ``/``NE``/``LT``/``GT`` compare all 64 bits and are therefore bypassable for
+  deny decisions. Docker's ``socket`` rule (allow if family != AF_VSOCK) is an example:
+  ``socket(0xffffffff00000028, ...)`` passes it and creates an AF_VSOCK socket.
 
 So ``ioctl`` is allowed only through ``SCMP_CMP_MASKED_EQ`` rules (mask within the low 32
 bits) whose union is exactly the complement of the denied commands; denied commands fall
 through to the default action (EPERM). :func:`ioctl_allow_rules` computes that cover.
 
 Logging: ``SCMP_ACT_LOG`` *allows* the call, so it is never used for denials. The
-``SECCOMP_FILTER_FLAG_LOG`` filter flag would make the kernel audit-log ERRNO results, but
-runc 1.1.x rejects a profile with ``flags`` (support arrived in runc 1.2); pass
-``log_denials=True`` only for a runtime that supports it (crun, runc >= 1.2).
+``SECCOMP_FILTER_FLAG_LOG`` filter flag makes the kernel write an audit record (type 1326,
+host pid and uid, syscall number; to the kernel log when no audit daemon listens) for every
+ERRNO result. runc 1.1.x refuses to start a profile with ``flags`` ("seccomp flags are not
+yet supported by runc"; support arrived in runc 1.2); crun 1.8 applies it. So
+``log_denials=True`` only for crun. Without the flag only kills (the SIGSYS of a foreign
+ABI) are logged. The kernel rate-limits these records, so a guest cannot flood the log,
+but it can crowd other records out of it.
 
 Example:
     >>> p = default_profile()
@@ -450,7 +458,6 @@ def default_profile(
     return copy.deepcopy(_cached(arch, compat32, log_denials))
 
 
-@functools.cache
 def shared_profile(
     arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False
 ) -> dict[str, Any]:
@@ -458,6 +465,7 @@ def shared_profile(
     return _cached(arch, compat32, log_denials)
 
 
+@functools.cache
 def profile_json(arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False) -> str:
     """:func:`default_profile` as compact JSON (cached: it is the same for every sandbox)."""
     return json.dumps(_cached(arch, compat32, log_denials), separators=(",", ":"))
