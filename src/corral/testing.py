@@ -57,7 +57,7 @@ from corral.spec import (
     ShellInfo,
 )
 
-__all__ = ["FakeNode"]
+__all__ = ["FakeNode", "FakePty", "FakePtyExit"]
 
 _BASE_LAYER = "sha256:" + "0" * 64
 _PY_LAYER = "sha256:" + "1" * 64
@@ -444,6 +444,22 @@ class FakeNode(NodeOps):
                     tar.addfile(ti, io.BytesIO(sb.files[p]))
         return buf.getvalue()
 
+    # -------------------------------------------------------------- terminal
+    def pty(
+        self,
+        sandbox_id: str,
+        cmd: list[str],
+        rows: int,
+        cols: int,
+        env: dict[str, str] | None = None,
+    ) -> FakePty:
+        """A toy terminal with the interface of ``Node.pty`` (see :class:`FakePty`)."""
+        sb = self._sb(sandbox_id)
+        self._next_pid += 1
+        return FakePty(
+            self, sb, list(cmd), rows, cols, {**sb.info.spec.env, **(env or {})}, self._next_pid
+        )
+
     # ------------------------------------------------------- events and node
     async def events(
         self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
@@ -640,3 +656,108 @@ def _path(path: str) -> str:
         raise PathRefused(f"{path!r} must be an absolute path without NUL bytes")
     # normpath keeps a leading "//" (POSIX allows it to mean something else): fold it
     return posixpath.normpath("/" + path.lstrip("/"))
+
+
+@dataclass(frozen=True)
+class FakePtyExit:
+    """How a :class:`FakePty` ended (the fields of the init's exit that a terminal uses)."""
+
+    reason: str
+    code: int | None
+    signal: int | None = None
+
+
+class FakePty:
+    """A terminal of FakeNode: echoes input as a tty in canonical mode does, runs each line
+    as a fake ``sh -c`` script, and knows ``tty`` and ``stty size``. A line with ``exit``
+    ends it with that status; EOF on an empty line ends it with the last status; a signal
+    ends it as ``signaled``. ``async with`` it, iterate its output, then read ``result``.
+    """
+
+    def __init__(
+        self,
+        node: FakeNode,
+        sb: _Sandbox,
+        cmd: list[str],
+        rows: int,
+        cols: int,
+        env: dict[str, str],
+        pid: int,
+    ) -> None:
+        self._node, self._sb, self.cmd = node, sb, cmd
+        self.rows, self.cols, self.pid = rows, cols, pid
+        self._run = _Run(sb, env, sb.info.spec.workdir, None, None, self._emit)
+        self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._line = bytearray()
+        self._code = 0
+        self._result: FakePtyExit | None = None
+
+    async def __aenter__(self) -> FakePty:
+        self._out.put_nowait(b"$ ")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._end(FakePtyExit("signaled", None, 1))  # leaving early hangs up the terminal
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        return self._frames()
+
+    async def _frames(self) -> AsyncIterator[tuple[str, bytes]]:
+        while (data := await self._out.get()) is not None:
+            yield "stdout", data
+
+    @property
+    def result(self) -> FakePtyExit:
+        if self._result is None:
+            raise Conflict("the fake terminal has not ended yet: iterate it to its end")
+        return self._result
+
+    async def write(self, data: bytes) -> None:
+        for byte in data:
+            if self._result is not None:
+                return
+            ch = bytes([byte])
+            if ch in (b"\r", b"\n"):
+                self._emit("stdout", b"\n")
+                line, self._line = self._line.decode(errors="replace"), bytearray()
+                await self._execute(line)
+            else:
+                self._line += ch
+                self._emit("stdout", ch)
+
+    async def close_stdin(self) -> None:
+        if self._line:  # EOF on a non-empty line submits it, like the tty's VEOF
+            line, self._line = self._line.decode(errors="replace"), bytearray()
+            await self._execute(line)
+        else:
+            self._end(FakePtyExit("exited", self._code))
+
+    async def signal(self, sig: int) -> None:
+        self._end(FakePtyExit("signaled", None, sig))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+
+    async def _execute(self, line: str) -> None:
+        words = line.split()
+        if words == ["tty"]:
+            self._emit("stdout", b"/dev/pts/0\n")
+            self._code = 0
+        elif words == ["stty", "size"]:
+            self._emit("stdout", f"{self.rows} {self.cols}\n".encode())
+            self._code = 0
+        elif words:
+            self._code = await self._node._script(self._run, line)
+            if re.search(r"(^|[;&|]\s*)exit\b", line):
+                self._end(FakePtyExit("exited", self._code))
+                return
+        self._emit("stdout", b"$ ")
+
+    def _emit(self, _stream: str, data: bytes) -> None:
+        if self._result is None and data:
+            self._out.put_nowait(data.replace(b"\n", b"\r\n"))
+
+    def _end(self, result: FakePtyExit) -> None:
+        if self._result is None:
+            self._result = result
+            self._out.put_nowait(None)

@@ -341,7 +341,9 @@ def test_cli_over_http(http_node: tuple[str, FakeNode]) -> None:
     assert (r.exit_code, r.stdout, r.stderr) == (5, "a\n", "b\n")
     r = cli("--node", url, "sandbox", "ls", "--json")
     assert [i["id"] for i in json.loads(r.stdout)] == [sid]
-    assert_user_error(cli("--node", url, "sandbox", "shell", sid), "HTTP", "embedded")
+    # over HTTP too now (tests/unit/test_pty_ws.py drives it on a real pty); CliRunner's
+    # stdin is no terminal
+    assert_user_error(cli("--node", url, "sandbox", "shell", sid), "terminal")
     assert_user_error(
         cli("--node", url, "sandbox", "exec", "sb-000000000000", "true"), "sb-000000000000"
     )

@@ -3,7 +3,8 @@
 It only parses: every route turns a request into typed arguments, makes one call on the
 ``NodeOps`` it was given (which alone decides what is allowed) and serialises the answer.
 Wire format: the JSON of :mod:`corral.spec` models (bytes as base64), raw bytes for file
-contents and tars, NDJSON for streaming exec, ``{"error": {"kind", "message"}}`` on error.
+contents and tars, NDJSON for streaming exec, ``{"error": {"kind", "message"}}`` on error,
+and a websocket for interactive terminals (:mod:`corral.api._pty`).
 
 Example:
     >>> from corral.testing import FakeNode
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from corral.api._pty import pty_router
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
 from corral.ops import NodeOps
 from corral.spec import (
@@ -153,15 +155,28 @@ class _BearerAuth:
         self._expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             # constant-time: a timing difference would let a caller guess the token bytewise
             if not hmac.compare_digest(got, self._expected):
                 resp = _wire(Unauthorized("missing or wrong bearer token"))
                 resp.headers["www-authenticate"] = "Bearer"
-                await resp(scope, receive, send)
+                if scope["type"] == "websocket":
+                    await _deny_websocket(resp, scope, receive, send)
+                else:
+                    await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _deny_websocket(resp: Response, scope: Scope, receive: Receive, send: Send) -> None:
+    """Refuse a websocket before its handshake: HTTP 401 where the server can answer with
+    a response (the ASGI denial extension), else close code 4401."""
+    await receive()  # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await resp(scope, receive, send)
+    else:
+        await send({"type": "websocket.close", "code": 4401, "reason": "unauthorized"})
 
 
 class _BodyLimit:
@@ -230,8 +245,12 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
         docs_url="/docs",
         redoc_url=None,
         description="Sandboxes, exec, files and events of one corral node.",
+        # "/v1/sandboxes/%2f" decodes to a trailing slash: a 307 to the sandbox list is
+        # no answer for an id that names nothing, a 404 is
+        redirect_slashes=False,
     )
     app.include_router(_routes(ops), prefix="/v1")
+    app.include_router(pty_router(ops), prefix="/v1")
 
     async def corral_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, CorralError)

@@ -88,7 +88,8 @@ class NodeServer:
             log_config=None,
             access_log=False,
             server_header=False,
-            ws="none",
+            # the terminal route is a websocket; "auto" picks the websockets library
+            ws="auto",
             timeout_graceful_shutdown=_GRACE,
         )
         self._server: _Server | None = None

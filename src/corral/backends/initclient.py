@@ -416,8 +416,12 @@ class InitClient:
         tty: bool = False,
         rows: int = 24,
         cols: int = 80,
+        keep_output: bool = True,
     ) -> ExecStream:
         """An exec whose output arrives as it is written; see :class:`ExecStream`.
+
+        ``keep_output=False``: do not also collect what was yielded (long-lived terminals and
+        relayed streams would otherwise grow without bound); ``result`` then has no output.
 
         ``stdin`` bytes are sent (and stdin closed) right away; with ``stdin_pipe`` the
         caller writes with ``write`` and ends with ``close_stdin``. With ``tty`` the
@@ -441,7 +445,7 @@ class InitClient:
         data = _frame(_Q, payload)
         if stdin is not None:
             data += _stdin_frames(stdin) + (b"" if stdin_pipe else _frame(_I))
-        return ExecStream(self, data)
+        return ExecStream(self, data, keep_output)
 
     async def spawn(
         self,
@@ -522,9 +526,10 @@ class ExecStream:
     process group. ``result.stdout``/``stderr`` hold everything that was yielded.
     """
 
-    def __init__(self, client: InitClient, request: bytes) -> None:
+    def __init__(self, client: InitClient, request: bytes, keep_output: bool = True) -> None:
         self._client = client
         self._request = request
+        self._keep = keep_output
         self._conn: _Conn | None = None
         self._out: list[bytes] = []
         self._err: list[bytes] = []
@@ -560,10 +565,12 @@ class ExecStream:
         while self._result is None:
             t, body = await c.frame()
             if t == _O:
-                self._out.append(body)
+                if self._keep:
+                    self._out.append(body)
                 yield "stdout", body
             elif t == _E:
-                self._err.append(body)
+                if self._keep:
+                    self._err.append(body)
                 yield "stderr", body
             elif t == _X:
                 f, _ = _decode(body)

@@ -208,14 +208,8 @@ def shell(
     ] = None,
     env: EnvOpt = None,
 ) -> None:
-    """Open an interactive terminal in the sandbox (embedded node only, for now)."""
+    """Open an interactive terminal in the sandbox."""
     g: Globals = ctx.obj
-    if g.target() != EMBEDDED:
-        raise InvalidRequest(
-            "`corral sandbox shell` needs the embedded node: the node's HTTP API has no "
-            "terminal endpoint yet. Run it on the node's host without a server "
-            "(--node embedded), or use `corral sandbox exec ID -- sh -c '...'`"
-        )
     try:
         stdin_fd, stdout_fd = sys.stdin.fileno(), sys.stdout.fileno()
     except (AttributeError, ValueError, OSError):
@@ -236,9 +230,17 @@ async def _shell(
     stdin_fd: int,
     stdout_fd: int,
 ) -> Any:
-    from corral.node import Node
+    target = g.target()
+    node: Any
+    if target == EMBEDDED:
+        from corral.node import Node
 
-    node = await Node.open(g.config())
+        node = await Node.open(g.config())
+    else:
+        from corral.sdk._http import HTTPOps
+
+        # the same pty interface as the embedded node's, over the API's websocket
+        node = HTTPOps(target, token=g.token)
     try:
         if not cmd:
             cmd = ["/bin/sh"]

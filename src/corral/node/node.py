@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from corral.backends import shell as shellmod
 from corral.backends.container import ContainerBackend
@@ -400,7 +401,8 @@ class Node:
         before = self._oom_kills(sandbox_id)
         with self._working(sandbox_id):
             stream = self.backend.client(sandbox_id).stream(
-                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, **p  # type: ignore[arg-type]
+                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, keep_output=False,
+                **p,  # type: ignore[arg-type]
             )
             async with stream as s:
                 if req.stdin is not None:
@@ -412,14 +414,17 @@ class Node:
         yield self._to_result(sandbox_id, result, before)
 
     def pty(self, sandbox_id: str, cmd: list[str], rows: int, cols: int,
-            env: dict[str, str] | None = None) -> object:
-        """An interactive terminal stream (for ``corral sandbox shell``)."""
+            env: dict[str, str] | None = None) -> _BusyStream:
+        """An interactive terminal stream (for ``corral sandbox shell``). The sandbox counts
+        as busy while it is open, so the idle reaper never takes it from under a user."""
         info = self._active(sandbox_id)
         p = self._prepare(info, ExecRequest(cmd=cmd, env={"TERM": "xterm-256color", **(env or {})}))
         p["output_limit"] = 1 << 40
-        return self.backend.client(sandbox_id).stream(
-            cmd, stdin_pipe=True, tty=True, rows=rows, cols=cols, **p  # type: ignore[arg-type]
+        stream = self.backend.client(sandbox_id).stream(
+            cmd, stdin_pipe=True, tty=True, rows=rows, cols=cols, keep_output=False,
+            **p,  # type: ignore[arg-type]
         )
+        return _BusyStream(stream, self._working(sandbox_id))
 
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         info = self._active(sandbox_id)
@@ -698,6 +703,31 @@ def _check_fits(spec: SandboxSpec, cfg: NodeConfig) -> None:
 def _shown(sandbox_id: str) -> str:
     """An id as quoted in an error: a caller's 20,000-character id is not echoed whole."""
     return repr(sandbox_id) if len(sandbox_id) <= 80 else repr(sandbox_id[:80]) + "..."
+
+
+class _BusyStream:
+    """Wraps an init ExecStream and holds a sandbox's busy mark while the block is open."""
+
+    def __init__(self, stream: Any, busy: contextlib.AbstractContextManager[None]) -> None:
+        self._stream = stream
+        self._busy = busy
+
+    async def __aenter__(self) -> Any:
+        self._busy.__enter__()
+        try:
+            return await self._stream.__aenter__()
+        except BaseException:
+            self._busy.__exit__(None, None, None)
+            raise
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            await self._stream.__aexit__(*exc)
+        finally:
+            self._busy.__exit__(None, None, None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _plausible_id(sandbox_id: str) -> bool:

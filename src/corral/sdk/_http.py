@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -38,6 +38,9 @@ from corral.spec import (
     SandboxSpec,
     ShellInfo,
 )
+
+if TYPE_CHECKING:
+    from corral.sdk._ws import PtySession
 
 __all__ = ["HTTPOps", "parse_target"]
 
@@ -107,6 +110,7 @@ class HTTPOps(NodeOps):
     ) -> None:
         kind, where = parse_target(target)
         self._target = target
+        self._kind, self._where, self._token = kind, where, token
         if transport is None:
             transport = httpx.AsyncHTTPTransport(
                 uds=where if kind == "unix" else None,
@@ -381,6 +385,32 @@ class HTTPOps(NodeOps):
 
     async def node_status(self) -> NodeStatus:
         return NodeStatus.model_validate_json((await self._call("GET", "/node")).content)
+
+    # ------------------------------------------------------------- terminal
+    def pty(
+        self,
+        sandbox_id: str,
+        cmd: list[str] | None,
+        rows: int,
+        cols: int,
+        env: dict[str, str] | None = None,
+    ) -> PtySession:
+        """An interactive terminal over the API's websocket: an ``async with`` stream
+        like the embedded node's ``Node.pty``. ``cmd`` None or empty: the node's default
+        shell. Always over the network, even when ``transport`` was given.
+
+        Example:
+            >>> async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:   # doctest: +SKIP
+            ...     await s.write(b"exit 3\\n")
+            ...     async for _, data in s: ...
+            >>> s.result.code                                           # doctest: +SKIP
+            3
+        """
+        from corral.sdk._ws import pty_session
+
+        return pty_session(
+            self._kind, self._where, sandbox_id, cmd, rows, cols, env=env, token=self._token
+        )
 
     async def close(self) -> None:
         await self._http.aclose()
