@@ -41,7 +41,7 @@ def mean(xs):
     return sum(xs) / (len(xs) + 1)   # bug: off by one
 '''
 
-_VISIBLE_TEST = '''from calc import add, mean
+_VISIBLE_TEST = """from calc import add, mean
 
 
 def test_add():
@@ -50,9 +50,9 @@ def test_add():
 
 def test_mean():
     assert mean([2, 4]) == 3
-'''
+"""
 
-_HIDDEN_TEST = '''from calc import add, mean
+_HIDDEN_TEST = """from calc import add, mean
 
 
 def test_hidden_mean_many():
@@ -61,7 +61,7 @@ def test_hidden_mean_many():
 
 def test_hidden_add_negative():
     assert add(-2, 2) == 0
-'''
+"""
 
 # What each scripted agent writes as its fix: most are right, some overfit the visible test.
 _FIXES = {
@@ -94,11 +94,17 @@ def ensure_images(config: NodeConfig, console: Console) -> None:
     if {"demo/python", "demo/task", "demo/grade"} <= have:
         return
     console.print("[bold]building demo images (once; cached in the layer store)[/]")
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         if "demo/base" not in have:
-            base = build.build_debian(store, "bookworm", include=["python3", "python3-pip"],
-                                      progress=progress)
+            base = build.build_debian(
+                store, "bookworm", include=["python3", "python3-pip"], progress=progress
+            )
             store.put_image("demo/base", [base.digest])
         base_img = store.image("demo/base")
         if "demo/python" not in have:
@@ -120,8 +126,9 @@ def ensure_images(config: NodeConfig, console: Console) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     store.put_image("demo/task", [*py.layers, ws_layer.digest], workdir="/work")
-    store.put_image("demo/grade", [*py.layers, ws_layer.digest, hidden_layer.digest],
-                    workdir="/work")
+    store.put_image(
+        "demo/grade", [*py.layers, ws_layer.digest, hidden_layer.digest], workdir="/work"
+    )
 
 
 async def _timed(bucket: list[float], coro):  # type: ignore[no-untyped-def]
@@ -134,8 +141,12 @@ async def _timed(bucket: list[float], coro):  # type: ignore[no-untyped-def]
 
 async def _agent(client: corral.AsyncClient, n: int, t: Timings, limits: corral.Limits) -> dict:
     strategy = "overfit" if n % 5 == 4 else "correct"
-    sb = await _timed(t.create, client.sandboxes.create(
-        image="demo/task", limits=limits, ttl=600, labels={"job": "demo", "agent": str(n)}))
+    sb = await _timed(
+        t.create,
+        client.sandboxes.create(
+            image="demo/task", limits=limits, ttl=600, labels={"job": "demo", "agent": str(n)}
+        ),
+    )
     steps = 0
     try:
         sh = await sb.shell()
@@ -152,17 +163,37 @@ async def _agent(client: corral.AsyncClient, n: int, t: Timings, limits: corral.
     finally:
         await _timed(t.destroy, sb.destroy())
     # grading: a fresh sandbox from pristine layers + the hidden tests, plus only the patch
-    grader = await _timed(t.create, client.sandboxes.create(
-        image="demo/grade", limits=limits, ttl=600, labels={"job": "demo", "grader": str(n)}))
+    grader = await _timed(
+        t.create,
+        client.sandboxes.create(
+            image="demo/grade", limits=limits, ttl=600, labels={"job": "demo", "grader": str(n)}
+        ),
+    )
     try:
         await grader.files.write("/work/calc.py", patch)
-        g = await _timed(t.exec, grader.exec(
-            ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "/work/tests",
-             "/grader"], cwd="/work", timeout=120))
+        g = await _timed(
+            t.exec,
+            grader.exec(
+                [
+                    "python3",
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "/work/tests",
+                    "/grader",
+                ],
+                cwd="/work",
+                timeout=120,
+            ),
+        )
     finally:
         await _timed(t.destroy, grader.destroy())
     return {
-        "agent": n, "strategy": strategy, "steps": steps,
+        "agent": n,
+        "strategy": strategy,
+        "steps": steps,
         "before": "fail" if "failed" in before else "pass",
         "after_visible": r.stdout.decode(errors="replace").strip().splitlines()[-1:],
         "graded": "PASS" if g.ok else "FAIL",
@@ -192,9 +223,13 @@ async def run_async(count: int = 16, config: NodeConfig | None = None) -> int:
             errors += 1
             table.add_row("?", "error", "", "", f"[red]{type(res).__name__}: {res}[/]")
             continue
-        table.add_row(str(res["agent"]), res["strategy"], res["before"],
-                      " ".join(res["after_visible"]),
-                      f"[green]PASS[/]" if res["graded"] == "PASS" else "[red]FAIL[/]")
+        table.add_row(
+            str(res["agent"]),
+            res["strategy"],
+            res["before"],
+            " ".join(res["after_visible"]),
+            "[green]PASS[/]" if res["graded"] == "PASS" else "[red]FAIL[/]",
+        )
     console.print(table)
     lat = Table(title="latency (ms)")
     for col in ("operation", "count", "median", "p99"):

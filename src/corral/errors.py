@@ -121,9 +121,22 @@ class TransportError(CorralError):
 KINDS: dict[str, type[CorralError]] = {
     c.__name__: c
     for c in (
-        CorralError, InvalidRequest, PathRefused, NotFound, SandboxNotFound, ImageNotFound,
-        LayerNotFound, ProcessNotFound, Conflict, CapacityError, SandboxError, BuildError,
-        LayerCorrupt, HostError, Unauthorized, TransportError,
+        CorralError,
+        InvalidRequest,
+        PathRefused,
+        NotFound,
+        SandboxNotFound,
+        ImageNotFound,
+        LayerNotFound,
+        ProcessNotFound,
+        Conflict,
+        CapacityError,
+        SandboxError,
+        BuildError,
+        LayerCorrupt,
+        HostError,
+        Unauthorized,
+        TransportError,
     )
 }
 

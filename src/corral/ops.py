@@ -52,12 +52,14 @@ class NodeOps(Protocol):
         """Yields output chunks as they come, then exactly one ExecResult (with empty
         stdout/stderr, since they were streamed) as the last item."""
         ...
+
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo: ...
     async def process_get(
         self, sandbox_id: str, process_id: str, wait: float | None = None
     ) -> ProcessInfo:
         """``wait``: seconds to wait for the process to end (None: do not wait)."""
         ...
+
     async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None: ...
     async def process_list(self, sandbox_id: str) -> list[ProcessInfo]: ...
 
@@ -66,7 +68,11 @@ class NodeOps(Protocol):
         self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ShellInfo: ...
     async def shell_run(
-        self, sandbox_id: str, shell_id: str, command: str, timeout: float | None = None,
+        self,
+        sandbox_id: str,
+        shell_id: str,
+        command: str,
+        timeout: float | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult: ...
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None: ...

@@ -40,11 +40,24 @@ __all__ = [
 ]
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-    "ti": 2**40, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -158,7 +171,9 @@ def _check_abs_path(v: str, what: str) -> str:
     return v
 
 
-SandboxState = Literal["creating", "running", "paused", "stopped", "destroying", "destroyed", "failed"]
+SandboxState = Literal[
+    "creating", "running", "paused", "stopped", "destroying", "destroyed", "failed"
+]
 
 
 class SandboxInfo(_Model):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,14 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def node_config(**kw):  # type: ignore[no-untyped-def]
     from corral.node import NodeConfig
 
-    base = dict(state_dir=TEST_STATE, run_dir=TEST_RUN, store=TEST_STORE,
-                cgroup_subtree=TEST_SUBTREE, scratch_size="16GiB", reaper_interval=0.5)
+    base = dict(
+        state_dir=TEST_STATE,
+        run_dir=TEST_RUN,
+        store=TEST_STORE,
+        cgroup_subtree=TEST_SUBTREE,
+        scratch_size="16GiB",
+        reaper_interval=0.5,
+    )
     base.update(kw)
     return NodeConfig(**base)
 
@@ -38,12 +43,34 @@ def _ensure_images() -> None:
         for d in ("bin", "etc", "tmp", "root", "work", "proc", "sys", "dev"):
             (tmp / d).mkdir(parents=True, exist_ok=True)
         shutil.copy("/bin/busybox", tmp / "bin" / "busybox")
-        for applet in ("sh", "ls", "cat", "echo", "true", "false", "sleep", "dd", "yes", "id",
-                       "head", "wc", "mkdir", "rm", "touch", "env", "pwd", "ps", "kill", "seq"):
+        for applet in (
+            "sh",
+            "ls",
+            "cat",
+            "echo",
+            "true",
+            "false",
+            "sleep",
+            "dd",
+            "yes",
+            "id",
+            "head",
+            "wc",
+            "mkdir",
+            "rm",
+            "touch",
+            "env",
+            "pwd",
+            "ps",
+            "kill",
+            "seq",
+        ):
             os.symlink("busybox", tmp / "bin" / applet)
-        (tmp / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                            "nobody:x:65534:65534:nobody:/:/bin/false\n"
-                                            "alice:x:1000:1000::/work:/bin/sh\n")
+        (tmp / "etc" / "passwd").write_text(
+            "root:x:0:0:root:/root:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/:/bin/false\n"
+            "alice:x:1000:1000::/work:/bin/sh\n"
+        )
         (tmp / "etc" / "group").write_text("root:x:0:\nalice:x:1000:\n")
         os.chmod(tmp / "tmp", 0o1777)
         layer = build.build_dir(store, tmp)

@@ -47,9 +47,7 @@ async def test_root_inside_is_unprivileged_outside(client):
         r = await sb.exec(["sh", "-c", "cat /proc/kpagecgroup | head -c 10 | wc -c"])
         assert r.stdout.strip() in (b"0", b"")
         r = await sb.exec(["cat", "/proc/self/status"])
-        status = dict(
-            ln.split(":\t", 1) for ln in r.stdout.decode().splitlines() if ":\t" in ln
-        )
+        status = dict(ln.split(":\t", 1) for ln in r.stdout.decode().splitlines() if ":\t" in ln)
         assert status["NoNewPrivs"].strip() == "1"
         assert status["Seccomp"].strip() == "2"
 
@@ -58,8 +56,12 @@ async def test_exec_options(client):
     async with await client.sandboxes.create(
         image="test/debian", limits=SMALL, env={"FROM_SPEC": "1"}
     ) as sb:
-        r = await sb.exec(["sh", "-c", "cat; echo $FOO $FROM_SPEC; pwd"], stdin=b"in\n",
-                          env={"FOO": "bar"}, cwd="/tmp")
+        r = await sb.exec(
+            ["sh", "-c", "cat; echo $FOO $FROM_SPEC; pwd"],
+            stdin=b"in\n",
+            env={"FOO": "bar"},
+            cwd="/tmp",
+        )
         assert r.stdout == b"in\nbar 1\n/tmp\n"
         r = await sb.exec(["id", "-u"], user="65534")
         assert r.stdout == b"65534\n"
@@ -77,11 +79,13 @@ async def test_limits_reported(client, node):
         assert r.reason == "timeout" and r.duration < 5
         r = await sb.exec(["yes"], output_limit=4096)
         assert r.reason == "output_limit" and r.stdout_truncated and len(r.stdout) == 4096
-        r = await sb.exec(["python3", "-c", "b = bytearray(1 << 30); print('survived')"],
-                          timeout=60)
+        r = await sb.exec(
+            ["python3", "-c", "b = bytearray(1 << 30); print('survived')"], timeout=60
+        )
         assert r.reason == "oom", r
-        r = await sb.exec(["sh", "-c", "dd if=/dev/zero of=/big bs=1M count=400 2>&1; sync"],
-                          timeout=60)
+        r = await sb.exec(
+            ["sh", "-c", "dd if=/dev/zero of=/big bs=1M count=400 2>&1; sync"], timeout=60
+        )
         assert b"No space left" in r.stdout or b"quota" in r.stdout.lower(), r.stdout
         r = await sb.exec(["sh", "-c", "rm -f /big; echo fine"])
         assert r.stdout == b"fine\n"

@@ -38,12 +38,28 @@ eval "$__cs_cmd"
 
 def shell_argv(shell_id: str, command: str) -> list[str]:
     """The exec argv that runs ``command`` in session ``shell_id``."""
-    return ["bash", "--noprofile", "--norc", "-c", _SCRIPT, "corral-shell",
-            f"{STATE_DIR}/{shell_id}", command]
+    return [
+        "bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        _SCRIPT,
+        "corral-shell",
+        f"{STATE_DIR}/{shell_id}",
+        command,
+    ]
 
 
 def init_argv(shell_id: str, cwd: str) -> list[str]:
     """Creates the session's state file with its starting directory."""
-    return ["bash", "--noprofile", "--norc", "-c",
-            'mkdir -p -- "$1" && printf "cd -- %q\\n" "$3" > "$1/$2"',
-            "corral-shell", STATE_DIR, shell_id, cwd]
+    return [
+        "bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        'mkdir -p -- "$1" && printf "cd -- %q\\n" "$3" > "$1/$2"',
+        "corral-shell",
+        STATE_DIR,
+        shell_id,
+        cwd,
+    ]

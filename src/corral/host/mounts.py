@@ -304,8 +304,9 @@ def umount(target: Path, detach: bool = False, busy_wait: float = 0.0) -> None:
         try:
             # Safe: callers pass only paths under corral's roots; NOFOLLOW keeps a symlink
             # planted there from redirecting the unmount.
-            _sys.umount2(target, _sys.UMOUNT_NOFOLLOW | (
-                _sys.MNT_DETACH if detach and busy_wait <= 0 else 0))
+            _sys.umount2(
+                target, _sys.UMOUNT_NOFOLLOW | (_sys.MNT_DETACH if detach and busy_wait <= 0 else 0)
+            )
             return
         except OSError as e:
             if e.errno in (errno.EINVAL, errno.ENOENT):
