@@ -32,23 +32,49 @@ _V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
 _CFS_PERIOD = 100_000  # µs; the kernel's default period
 
 
-def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
-    """(fstype, mount point, super options) of every cgroup/cgroup2 mount."""
+_ROOT = Path("/sys/fs/cgroup")
+Mode = Literal["v1", "v2", "hybrid"]
+_Mount = tuple[str, str, set[str]]  # (fstype, mount point, super options)
+
+
+def _parse_mountinfo(text: str) -> list[_Mount]:
+    """(fstype, mount point, super options) of every cgroup/cgroup2 line of a mountinfo."""
     out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            pre, _, post = line.partition(" - ")
-            fstype, _source, opts = (post.split() + ["", "", ""])[:3]
-            if fstype in ("cgroup", "cgroup2"):
-                out.append((fstype, pre.split()[4], set(opts.split(","))))
+    for line in text.splitlines():
+        pre, _, post = line.partition(" - ")
+        fstype, _source, opts = (post.split() + ["", "", ""])[:3]
+        if fstype in ("cgroup", "cgroup2"):
+            out.append((fstype, pre.split()[4], set(opts.split(","))))
     return out
 
 
-def detect_mode() -> Literal["v1", "v2", "hybrid"]:
-    """``v2`` if /sys/fs/cgroup is cgroup2; ``hybrid`` if v1 controllers sit beside a
-    cgroup2 mount; ``v1`` otherwise."""
-    mounts = _cgroup_mounts()
-    if any(t == "cgroup2" and p == "/sys/fs/cgroup" for t, p, _ in mounts):
+def _cgroup_mounts(mountinfo_text: str | None = None) -> list[_Mount]:
+    """The cgroup mounts of ``mountinfo_text``, by default of /proc/self/mountinfo."""
+    if mountinfo_text is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo_text = f.read()
+    return _parse_mountinfo(mountinfo_text)
+
+
+def _layout_mounts(root: Path, v2: bool = False) -> list[_Mount]:
+    """The mounts a cgroup tree at ``root`` implies, for a tree that is not in mountinfo
+    (tests, another machine's layout): ``root`` itself if it is a cgroup2 (``v2``, or it has
+    ``cgroup.controllers``), otherwise one hierarchy per directory, named by its controllers
+    (``cpu,cpuacct``), with a directory holding ``cgroup.controllers`` as the cgroup2."""
+    if v2 or (root / "cgroup.controllers").exists():
+        return [("cgroup2", str(root), set())]
+    out: list[_Mount] = []
+    for d in sorted(root.iterdir()):
+        if d.is_dir() and not d.is_symlink():
+            if (d / "cgroup.controllers").exists():
+                out.append(("cgroup2", str(d), set()))
+            else:
+                out.append(("cgroup", str(d), set(d.name.split(","))))
+    return out
+
+
+def _mode_of(mounts: list[_Mount], root: Path) -> Mode:
+    if any(t == "cgroup2" and Path(p) == root for t, p, _ in mounts):
         return "v2"
     has_v1 = any(t == "cgroup" for t, _, _ in mounts)
     if not has_v1:
@@ -56,6 +82,16 @@ def detect_mode() -> Literal["v1", "v2", "hybrid"]:
             return "v2"
         raise HostError("cgroups: neither cgroup v1 nor cgroup2 is mounted")
     return "hybrid" if any(t == "cgroup2" for t, _, _ in mounts) else "v1"
+
+
+def detect_mode(mountinfo_text: str | None = None, *, root: Path = _ROOT) -> Mode:
+    """``v2`` if ``root`` (/sys/fs/cgroup) is cgroup2; ``hybrid`` if v1 controllers sit
+    beside a cgroup2 mount; ``v1`` otherwise.
+
+    ``mountinfo_text`` (default: /proc/self/mountinfo is read) lets tests and tools
+    classify another machine's mount table.
+    """
+    return _mode_of(_cgroup_mounts(mountinfo_text), root)
 
 
 def _check_name(name: str) -> str:
@@ -67,18 +103,49 @@ def _check_name(name: str) -> str:
 class Cgroups:
     """corral's cgroups below ``subtree`` in every hierarchy."""
 
-    def __init__(self, subtree: str = "corral") -> None:
+    def __init__(
+        self,
+        subtree: str = "corral",
+        *,
+        root: Path = _ROOT,
+        mode: Mode | None = None,
+        mountinfo_text: str | None = None,
+    ) -> None:
+        """Find the hierarchies from /proc/self/mountinfo and detect the mode.
+
+        For tests and tools: ``mountinfo_text`` replaces /proc/self/mountinfo; ``root``
+        replaces /sys/fs/cgroup (without ``mountinfo_text``, the hierarchies are then taken
+        from the tree below ``root``, see :func:`_layout_mounts`, and the host's mount table
+        is never read); ``mode`` skips detection.
+        """
         self.subtree = _check_name(subtree)
-        self.mode: str = detect_mode()
-        mounts = _cgroup_mounts()
+        if mountinfo_text is None and root != _ROOT:
+            mounts = _layout_mounts(root, v2=mode == "v2")
+        else:
+            mounts = _cgroup_mounts(mountinfo_text)
+        if mode is not None and mode not in ("v1", "v2", "hybrid"):
+            raise HostError(f"cgroups: unknown mode {mode!r} (v1, v2 or hybrid)")
+        self.mode: str = mode or _mode_of(mounts, root)
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
         self.all_roots: list[Path] = []
         if self.mode == "v2":
-            root = next(Path(p) for t, p, _ in mounts if t == "cgroup2")
-            self.v2_root = root
-            self.all_roots = [root]
+            v2 = [Path(p) for t, p, _ in mounts if t == "cgroup2"]
+            if not v2:
+                raise HostError("cgroups v2: no cgroup2 mount found")
+            # Prefer the one at /sys/fs/cgroup: other cgroup2 mounts (a container's bind
+            # mount, a subtree mounted elsewhere) may come first in mountinfo.
+            self.v2_root = root if root in v2 else v2[0]
+            self.all_roots = [self.v2_root]
+            # Like the v1 check below: fail here, not at the first sandbox's limits.
+            available = self._read(self.v2_root / "cgroup.controllers").split()
+            missing = [c for c in ("memory", "pids", "cpu") if c not in available]
+            if missing:
+                raise HostError(
+                    f"cgroups v2: controllers not available in {self.v2_root}: "
+                    f"{', '.join(missing)} (see its cgroup.controllers)"
+                )
             return
         for fstype, point, opts in mounts:
             if fstype == "cgroup2":
@@ -164,7 +231,18 @@ class Cgroups:
             todo = [c for c in wanted if c not in enabled]
             if todo:
                 # Safe: only enables controllers for children; limits nobody by itself.
-                self._write(d / "cgroup.subtree_control", " ".join("+" + c for c in todo))
+                try:
+                    self._write(d / "cgroup.subtree_control", " ".join("+" + c for c in todo))
+                except HostError as e:
+                    if not self._read(d / "cgroup.procs").split():
+                        raise
+                    # EBUSY: v2 lets only a cgroup without processes of its own (or the
+                    # real root) pass controllers down; typical inside a container.
+                    raise HostError(
+                        f"{e}; {d} has processes of its own, and cgroup v2 enables "
+                        "controllers for children only in a cgroup without any (inside a "
+                        "container: move its processes into a child cgroup first)"
+                    ) from None
 
     def create(
         self, name: str, *, cpus: float, memory: int, pids: int, swap: int | None = 0
@@ -194,12 +272,11 @@ class Cgroups:
         if cpus > 0:
             self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
             self._write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * _CFS_PERIOD))))
-        mem = self._dir("memory", name)
-        self._write(mem / "memory.limit_in_bytes", str(memory))
-        if (mem / "memory.memsw.limit_in_bytes").exists():
-            # memsw counts memory + swap, so it must come after (and be >=) the limit.
-            memsw = "-1" if swap is None else str(memory + swap)
-            self._write(mem / "memory.memsw.limit_in_bytes", memsw)
+        else:
+            # The cgroup may exist already (create again): drop an old quota.
+            self._write(cpu / "cpu.cfs_quota_us", "-1")
+        # set_memory orders the writes so memsw >= limit holds, also on an existing cgroup.
+        self.set_memory(name, memory, swap)
         self._write(self._dir("pids", name) / "pids.max", str(pids))
 
     def _create_v2(self, name: str, cpus: float, memory: int, pids: int, swap: int | None) -> None:
@@ -210,9 +287,10 @@ class Cgroups:
             pass
         if cpus > 0:
             self._write(d / "cpu.max", f"{max(1000, int(cpus * _CFS_PERIOD))} {_CFS_PERIOD}")
-        self._write(d / "memory.max", str(memory))
-        if (d / "memory.swap.max").exists():
-            self._write(d / "memory.swap.max", "max" if swap is None else str(swap))
+        elif (d / "cpu.max").exists():
+            # The cgroup may exist already (create again): drop an old quota.
+            self._write(d / "cpu.max", f"max {_CFS_PERIOD}")
+        self.set_memory(name, memory, swap)
         self._write(d / "pids.max", str(pids))
 
     def set_memory(self, name: str, memory: int, swap: int | None = 0) -> None:
