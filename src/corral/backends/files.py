@@ -305,10 +305,15 @@ class SandboxFS:
         max_file: int = 1 << 30,
         *,
         no_xdev: bool = True,
+        require_mount: bool = False,
     ) -> None:
         """``no_xdev``: refuse to cross mount points below the root (host-side bind mounts
-        are not guest content); turn off only if the node mounts volumes into roots."""
+        are not guest content); turn off only if the node mounts volumes into roots.
+        ``require_mount``: the root must be a filesystem of its own (a sandbox's overlay);
+        once it is unmounted (a destroy in progress) every operation fails instead of
+        touching the bare directory on the node's disk."""
         self.root = Path(root)
+        self.require_mount = require_mount
         self.uid, self.gid, self.max_file = uid, gid, max_file
         xdev = RESOLVE_NO_XDEV if no_xdev else 0
         # Resolution of guest paths: confined to the root like the guest's own view.
@@ -517,6 +522,8 @@ class SandboxFS:
         except OSError:
             raise HostError("the sandbox's root filesystem is not available") from None
         with _fd(fd):
+            if self.require_mount and os.fstat(fd).st_dev == os.stat(self.root.parent).st_dev:
+                raise HostError("the sandbox's root filesystem is not mounted (any more)")
             yield fd
 
     def _parent_fd(self, root: int, p: _Path, create: bool) -> int:

@@ -282,6 +282,17 @@ class _Conn:
             raise _error(body, self.op, self.path)
         return t, body
 
+    async def first_frame(self, timeout: float) -> tuple[int, bytes]:
+        """The answer's first frame, which a working init sends at once."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.frame()
+        except TimeoutError:
+            raise SandboxError(
+                f"init at {self.path} did not start {self.op} within {timeout:g} s "
+                "(init stuck or frozen?)"
+            ) from None
+
     def unexpected(self, t: int) -> SandboxError:
         return SandboxError(
             f"init at {self.path} broke the protocol: frame {chr(t)!r} during {self.op}"
@@ -303,6 +314,10 @@ class InitClient:
     def __init__(self, sock_path: str | Path, connect_timeout: float = 5.0) -> None:
         self.path = str(sock_path)
         self.connect_timeout = connect_timeout
+        self.start_timeout = _GUARD
+        """Seconds to wait for an exec's `S` frame: the init sends it right after fork, so
+        none coming means a stuck or frozen init (the kernel accepts connections on its
+        listening socket even then), not a slow command."""
 
     async def _connect(self, op: str) -> _Conn:
         try:
@@ -379,9 +394,11 @@ class InitClient:
             out: list[bytes] = []
             err: list[bytes] = []
             pid = 0
+            first: tuple[int, bytes] | None = await c.first_frame(self.start_timeout)
             async with asyncio.timeout(None if timeout is None else timeout + _GUARD):
                 while True:
-                    t, body = await c.frame()
+                    t, body = first or await c.frame()
+                    first = None
                     if t == _O:
                         out.append(body)
                     elif t == _E:
@@ -542,7 +559,7 @@ class ExecStream:
         self._conn = c
         try:
             c.send(self._request)
-            t, body = await c.frame()
+            t, body = await c.first_frame(self._client.start_timeout)
             if t != _S:
                 raise c.unexpected(t)
             self.pid = _int(_decode(body)[0], PID) or 0

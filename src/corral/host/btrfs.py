@@ -154,23 +154,37 @@ class Scratch:
         tmp.rename(self.image)
 
     def _mount(self) -> None:
+        img = Path(os.path.realpath(self.image))
+        live = [d for d, f in loop.backed_by(img.parent).items() if f == img]
+        if live:
+            # This filesystem is still alive on a loop device: an earlier mount was detached
+            # while something (a sandbox's overlay) still holds it. A second loop device on
+            # the same file would be a second, independent btrfs (kernel 6.7+ mounts such a
+            # clone under a temporary fsid) writing the same blocks: seen here corrupting
+            # the scratch filesystem. Mounting that device again gives the live one back.
+            self._mount_dev(live[0])
+            return
         dev = loop.attach(self.image)
+        try:
+            self._mount_dev(dev.path)
+        finally:
+            dev.close()  # autoclear: the unmount now frees the loop device
+
+    def _mount_dev(self, dev_path: Path) -> None:
         try:
             # Safe: a filesystem corral formatted, in a file corral owns, mounted at
             # corral's scratch dir; nosuid/nodev because sandboxes write into it.
             _sys.mount(
-                dev.path,
+                dev_path,
                 self.mountpoint,
                 "btrfs",
                 _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOATIME,
             )
         except OSError as e:
             raise HostError(
-                f"mount btrfs {self.image} ({dev.path}) at {self.mountpoint}: "
+                f"mount btrfs {self.image} ({dev_path}) at {self.mountpoint}: "
                 f"{errtext(e.errno or 0)}"
             ) from None
-        finally:
-            dev.close()  # autoclear: the unmount now frees the loop device
 
     def _enable_quota(self) -> None:
         for cmd, mode in ((_QUOTA_CTL_ENABLE_SIMPLE, "simple"), (_QUOTA_CTL_ENABLE, "full")):

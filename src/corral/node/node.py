@@ -97,6 +97,7 @@ class Node:
         self._touched: dict[str, float] = {}
         self._busy: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._destroys: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ open / close
@@ -125,7 +126,11 @@ class Node:
             mode = detect_mode()
             cgroups = Cgroups(cfg.cgroup_subtree)
             runtime = OCIRuntime.detect(
-                mode, root_base=cfg.run_dir, prefer=None if cfg.runtime == "auto" else cfg.runtime
+                mode,
+                root_base=cfg.run_dir,
+                prefer=None if cfg.runtime == "auto" else cfg.runtime,
+                helper_dir=cfg.state_dir / "bin",
+                root_tmpfs=True,
             )
             init_path = await asyncio.to_thread(ensure_built, cfg.state_dir / "bin")
             userns = UserNamespace.create(cfg.host_uid, cfg.id_count)
@@ -138,7 +143,8 @@ class Node:
                               cfg.scratch_size)
             await asyncio.to_thread(scratch.setup)
             backend = ContainerBackend(
-                sandboxes_dir=cfg.state_dir / "sandboxes", runtime=runtime, cgroups=cgroups,
+                # Each sandbox's dir is its scratch subvolume (see ContainerBackend._create).
+                sandboxes_dir=scratch.mountpoint, runtime=runtime, cgroups=cgroups,
                 layers=layers, scratch=scratch, init_path=init_path, host_uid=cfg.host_uid,
                 id_count=cfg.id_count,
             )
@@ -152,7 +158,15 @@ class Node:
             cfg, node_id=node_id, state=state, store=store, cgroups=cgroups, runtime=runtime,
             userns=userns, layers=layers, scratch=scratch, backend=backend, lock_fd=lock_fd,
         )
-        await node._recover()
+        try:
+            await node._recover()
+        except BaseException:
+            # Release the state dir: otherwise this process could never open it again.
+            for part in (node.userns, node.runtime, node.scratch, node.state):
+                with contextlib.suppress(Exception):
+                    part.close()  # type: ignore[attr-defined]
+            os.close(lock_fd)
+            raise
         node._reaper = asyncio.create_task(node._reap_forever(), name="corral-reaper")
         return node
 
@@ -186,19 +200,43 @@ class Node:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reaper
-        self._flush_touches()
-        if not self._live:
-            await self._teardown_shared()
-        else:
-            self.scratch.close()
-        self.userns.close()
-        self.state.close()
-        os.close(self._lock_fd)
+        try:
+            await self._settle()
+            self._flush_touches()
+            if not self._live:
+                try:
+                    await self._teardown_shared()
+                except CorralError as e:
+                    # Something the node does not know holds them (a process left by a
+                    # create cut short): the next open adopts them; gc removes the rest.
+                    log.warning("close: shared resources stay mounted (run gc): %s", e.message)
+                    self.scratch.close()
+            else:
+                self.scratch.close()
+        finally:
+            # Even when the teardown fails (a mount still busy): release the state dir, or
+            # this process could never open a node on it again.
+            self.userns.close()
+            self.runtime.close()
+            self.state.close()
+            os.close(self._lock_fd)
+
+    async def _settle(self, timeout: float = 60.0) -> None:
+        """Wait for creates and destroys in flight (new ones are refused now): each records
+        its outcome in the state db, which closes next. A create that finishes is adopted by
+        the next open; one cancelled meanwhile undoes itself."""
+        deadline = time.monotonic() + timeout
+        while any(i.state in ("creating", "destroying") for i in self._live.values()):
+            if time.monotonic() > deadline:
+                log.warning("closing with creates/destroys still in flight after %.0f s", timeout)
+                return
+            await asyncio.sleep(0.005)
 
     async def _teardown_shared(self) -> None:
         self.layers.unmount_all()
         await asyncio.to_thread(self.scratch.teardown)
         self.cgroups.remove_subtree_if_empty()
+        self.runtime.teardown()  # its tmpfs at --root, if it made one
         for d in (self.runtime.root, self.runtime.root.with_name(self.runtime.root.name + "-log")):
             with contextlib.suppress(OSError):
                 d.rmdir()
@@ -283,13 +321,40 @@ class Node:
 
     async def sandbox_destroy(self, sandbox_id: str) -> None:
         info = self._need(sandbox_id)
+        if info.state == "creating":
+            # Destroying under a create would race it (the create may make what destroy
+            # just removed, and come back "running"): let it end, then destroy.
+            await self._created(sandbox_id)
+            if sandbox_id not in self._live:
+                return  # the create failed and undid itself: nothing is left to destroy
+            info = self._need(sandbox_id)
         if info.state == "destroying":
             raise Conflict(f"sandbox {sandbox_id} is already being destroyed")
         await self._destroy(info, "destroyed")
 
+    async def _created(self, sandbox_id: str) -> None:
+        """Wait until the sandbox is no longer being created (made, or failed and gone)."""
+        while (i := self._live.get(sandbox_id)) is not None and i.state == "creating":
+            await asyncio.sleep(0.005)
+
     async def _destroy(self, info: SandboxInfo, why: str) -> None:
         sid = info.id
-        self._live[sid] = info.model_copy(update={"state": "destroying"})
+        cur = self._live.get(sid)
+        if cur is None or cur.state == "destroying":
+            # Someone else (the reaper, a user, gc) got there first: a second destroy would
+            # release the sandbox's layer references twice, from under its neighbours.
+            return
+        self._live[sid] = cur.model_copy(update={"state": "destroying"})
+        # Once started, a destroy runs to its end even if its caller is cancelled (a client
+        # that goes away, the reaper stopped by close(), which then waits for it): half a
+        # destroy, already marked destroyed, would leak its mounts, cgroups and processes.
+        task = asyncio.create_task(self._finish_destroy(cur, why), name=f"destroy-{sid}")
+        self._destroys.add(task)
+        task.add_done_callback(self._destroys.discard)
+        await asyncio.shield(task)
+
+    async def _finish_destroy(self, info: SandboxInfo, why: str) -> None:
+        sid = info.id
         try:
             await self.backend.destroy(sid, _image_of(info))
         except CorralError as e:
@@ -390,7 +455,8 @@ class Node:
         p = self._prepare(info, req)
         before = self._oom_kills(sandbox_id)
         with self._working(sandbox_id):
-            r = await self.backend.client(sandbox_id).exec(req.cmd, stdin=req.stdin, **p)  # type: ignore[arg-type]
+            async with self._init_errors(sandbox_id, "the exec"):
+                r = await self.backend.client(sandbox_id).exec(req.cmd, stdin=req.stdin, **p)  # type: ignore[arg-type]
         return self._to_result(sandbox_id, r, before)
 
     async def exec_stream(
@@ -404,7 +470,7 @@ class Node:
                 req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, keep_output=False,
                 **p,  # type: ignore[arg-type]
             )
-            async with stream as s:
+            async with self._init_errors(sandbox_id, "the exec"), stream as s:
                 if req.stdin is not None:
                     await s.write(req.stdin)
                     await s.close_stdin()
@@ -432,7 +498,8 @@ class Node:
             raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
         p = self._prepare(info, req)
         p.pop("timeout")
-        pid_id, pid = await self.backend.client(sandbox_id).spawn(req.cmd, **p)  # type: ignore[arg-type]
+        async with self._init_errors(sandbox_id, "spawn"):
+            pid_id, pid = await self.backend.client(sandbox_id).spawn(req.cmd, **p)  # type: ignore[arg-type]
         return ProcessInfo(id=pid_id, pid=pid, cmd=req.cmd, running=True)
 
     async def process_get(
@@ -441,7 +508,8 @@ class Node:
         self._active(sandbox_id)
         before = self._oom_kills(sandbox_id)
         with self._working(sandbox_id):
-            p = await self.backend.client(sandbox_id).wait(process_id, timeout=wait or 0)
+            async with self._init_errors(sandbox_id, "the process wait"):
+                p = await self.backend.client(sandbox_id).wait(process_id, timeout=wait or 0)
         result = self._to_result(sandbox_id, p.exit, before) if p.exit else None
         return ProcessInfo(
             id=p.id, pid=p.pid, cmd=p.argv, running=p.running, stdout=p.stdout, stderr=p.stderr,
@@ -452,14 +520,14 @@ class Node:
         self._active(sandbox_id)
         if not 1 <= signal <= 64:
             raise InvalidRequest(f"signal: {signal} is not a signal number (1-64)")
-        await self.backend.client(sandbox_id).kill(process_id, signal)
+        async with self._init_errors(sandbox_id, "process kill"):
+            await self.backend.client(sandbox_id).kill(process_id, signal)
 
     async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
         self._active(sandbox_id)
-        return [
-            ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running)
-            for p in await self.backend.client(sandbox_id).list()
-        ]
+        async with self._init_errors(sandbox_id, "process list"):
+            procs = await self.backend.client(sandbox_id).list()
+        return [ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running) for p in procs]
 
     # ------------------------------------------------------------------ shells
     async def shell_open(
@@ -513,6 +581,11 @@ class Node:
             try:
                 return await asyncio.to_thread(getattr(fs, method), *args, **kw)
             except CorralError as e:
+                info = self._live.get(sandbox_id)
+                if (info is None or info.state == "destroying") and e.status != 400:
+                    raise SandboxNotFound(
+                        f"sandbox {sandbox_id} was destroyed during file {method}"
+                    ) from e
                 if e.status == 400:
                     self.state.add_event(sandbox_id, "file_refused",
                                          {"op": method, "error": e.message[:500]})
@@ -582,9 +655,12 @@ class Node:
         """Remove what a crash left behind; with ``everything``, destroy all sandboxes too."""
         removed = {"sandboxes": 0, "containers": 0, "mounts": 0, "cgroups": 0, "subvols": 0}
         if everything:
-            for info in list(self._live.values()):
-                await self._destroy(info, "destroyed")
-                removed["sandboxes"] += 1
+            for sid in list(self._live):
+                await self._created(sid)
+                info = self._live.get(sid)
+                if info is not None and info.state != "destroying":
+                    await self._destroy(info, "destroyed")
+                    removed["sandboxes"] += 1
         live = set(self._live)
         for c in await self.runtime.list():
             cid = c.get("id", "")
@@ -593,11 +669,14 @@ class Node:
                 await self.runtime.delete(cid, force=True)
                 removed["containers"] += 1
         for m in mounts.mounts_under(self.backend.sandboxes_dir):
-            if m.parent.name not in live:
+            # Only sandbox rootfs mounts (DIR/<id>/rootfs): DIR itself is the scratch mount.
+            if m.parent.parent == self.backend.sandboxes_dir and m.parent.name not in live:
                 mounts.umount(m, detach=True)
                 removed["mounts"] += 1
         for name in self.cgroups.list():
             if name not in live:
+                # Processes of no known container (a create cut short) would keep it busy.
+                await self.backend.kill_all(name)
                 self.cgroups.remove(name)
                 removed["cgroups"] += 1
         for name in self.scratch.subvols():
@@ -609,7 +688,11 @@ class Node:
                 if d.name not in live:
                     from corral.backends.container import _remove_dir
 
-                    _remove_dir(d)
+                    try:
+                        _remove_dir(d)
+                    except OSError as e:
+                        # Kept, not forced: it may hold guest data (an unmounted rootfs).
+                        log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
         if everything or not live:
             await self._teardown_shared()
             # The scratch fs and layer mounts come back on the next use of this node.
@@ -638,6 +721,28 @@ class Node:
             raise Conflict(f"sandbox {sandbox_id} is {info.state}, not running")
         self._touched[sandbox_id] = time.time()
         return info
+
+    @contextlib.asynccontextmanager
+    async def _init_errors(self, sandbox_id: str, what: str):  # type: ignore[no-untyped-def]
+        """Say why an init connection broke: the sandbox was destroyed meanwhile, or its
+        init died (the reaper then cleans it up). Other init errors pass unchanged."""
+        try:
+            yield
+        except SandboxError as e:
+            for _ in range(5):
+                info = self._live.get(sandbox_id)
+                if info is None or info.state == "destroying":
+                    raise SandboxNotFound(
+                        f"sandbox {sandbox_id} was destroyed while {what} was running"
+                    ) from e
+                if not self.backend.alive(sandbox_id):
+                    raise SandboxError(
+                        f"sandbox {sandbox_id} has stopped: its init is not running any more "
+                        f"({what} failed; the node cleans the sandbox up)"
+                    ) from e
+                # An init that closed our connection may still be exiting: look again.
+                await asyncio.sleep(0.01)
+            raise
 
     @contextlib.contextmanager
     def _working(self, sandbox_id: str):  # type: ignore[no-untyped-def]
@@ -672,8 +777,9 @@ class Node:
     async def reap_once(self) -> None:
         self._flush_touches()
         now = time.time()
-        for info in list(self._live.values()):
-            if info.state != "running" or info.id in self._busy:
+        for sid in list(self._live):
+            info = self._live.get(sid)  # as it is now: an earlier destroy here awaited
+            if info is None or info.state != "running" or sid in self._busy:
                 continue
             if info.expires_at and now >= info.expires_at:
                 await self._destroy(info, "ttl_expired")

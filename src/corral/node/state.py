@@ -55,8 +55,10 @@ class StateStore:
         # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._db.close()
 
     # sandboxes
@@ -70,8 +72,14 @@ class StateStore:
         )
 
     def get_sandbox(self, sandbox_id: str) -> SandboxInfo | None:
-        row = self._db.execute("SELECT info FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
-        return SandboxInfo.model_validate_json(row[0]) if row else None
+        row = self._db.execute(
+            "SELECT info, state FROM sandboxes WHERE id=?", (sandbox_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        info = SandboxInfo.model_validate_json(row[0])
+        # The state column is the truth: mark_destroyed updates only it, not the JSON.
+        return info if info.state == row[1] else info.model_copy(update={"state": row[1]})
 
     def live_sandboxes(self) -> list[SandboxInfo]:
         q = "SELECT info FROM sandboxes WHERE state IN (%s) ORDER BY created_at" % ",".join(
@@ -110,6 +118,10 @@ class StateStore:
 
     # events
     def add_event(self, sandbox_id: str | None, kind: str, detail: dict) -> int:
+        if self._closed:
+            # An exec that outlived Node.close() reports its end (timeout, oom...): the
+            # caller still gets its result; only the event is not recorded.
+            return 0
         cur = self._db.execute(
             "INSERT INTO events (sandbox_id, time, kind, detail) VALUES (?,?,?,?)",
             (sandbox_id, time.time(), kind, json.dumps(detail)),

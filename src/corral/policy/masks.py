@@ -43,6 +43,11 @@ MASKED_PATHS: tuple[str, ...] = (
     "/proc/iomem",
     "/proc/ioports",
     "/proc/kmsg",  # kernel log of the whole host
+    # Found by tests/redteam (proc_sys_walk): world-readable on the host and in Docker.
+    # The host's boot command line (root device, hypervisor agent flags, sometimes tokens).
+    "/proc/cmdline",
+    # Physical address of the kernel's vmcoreinfo note: defeats physical KASLR.
+    "/sys/kernel/vmcoreinfo",
     # Writing a letter here is a host-wide action (reboot, OOM kill, sync).
     "/proc/sysrq-trigger",
     # Only present if the host has them mounted inside sysfs and /sys is bound, not mounted.

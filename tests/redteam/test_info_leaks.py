@@ -1,0 +1,72 @@
+"""What the guest learns about the host without breaking anything.
+
+Not escapes, but maps for one: host paths, the host's boot command line, physical kernel
+addresses, other cgroups, other network devices.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.redteam.conftest import RED_STATE, new_canary, out, run, watch
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "HOLE (info leak): /proc/self/mountinfo shows host paths: the overlay's lowerdir+=/"
+        "upperdir=/workdir= options (<state_dir>/mnt/idmap/<digest>, <state_dir>/scratch/"
+        "<sandbox id>/upper) and the root of the /.corral/init bind (<state_dir>/bin/"
+        "corral-init-<hash> on the host's root device). Fix (backends/container.py, "
+        "images/mounts.py): mount the overlay with relative layer paths (overlayfs shows "
+        "the option strings as given), and bind the init from a dedicated tiny filesystem "
+        "so the bind root is '/corral-init'."
+    ),
+)
+async def test_mountinfo_shows_no_host_paths(guest):  # type: ignore[no-untyped-def]
+    r = await run(guest, "cat /proc/self/mountinfo /proc/1/mountinfo 2>/dev/null")
+    assert r.exit_code == 0
+    assert str(RED_STATE).encode() not in r.stdout, out(r)
+
+
+async def test_host_identity_hidden(guest):  # type: ignore[no-untyped-def]
+    r = await run(
+        guest,
+        "hostname; cat /proc/sys/kernel/hostname; ls /sys/class/net; "
+        "cat /proc/self/cgroup | cut -d: -f3 | sort -u; head -c 100 /proc/cmdline | wc -c",
+    )
+    lines = r.stdout.decode().split()
+    assert lines[:2] == ["sandbox", "sandbox"], out(r)
+    assert socket.gethostname() not in lines or socket.gethostname() == "sandbox"
+    assert lines[2:] == ["lo", "/", "0"], out(r)  # own netns, own cgroup root, masked cmdline
+
+
+async def test_cgroup_view_is_own(guest):  # type: ignore[no-untyped-def]
+    """The guest's /sys/fs/cgroup is its own cgroup (read-only), with its own limits."""
+    r = await run(
+        guest,
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max; "
+        "ls /sys/fs/cgroup/memory | grep -c '^corral' ; "
+        "echo 1 > /sys/fs/cgroup/pids/pids.max; echo rc=$?",
+    )
+    lines = r.stdout.decode().split()
+    assert lines[:2] == [str(256 << 20), "256"], out(r)
+    assert lines[2] == "0" and lines[3] == "rc=1", out(r)
+
+
+async def test_node_environment_not_inherited(make_sandbox, monkeypatch):  # type: ignore[no-untyped-def]
+    """The node's own environment (tokens, credentials of its operator) never reaches a
+    guest: not through the runtime, the init, exec or the shell."""
+    c = new_canary()
+    monkeypatch.setenv("CORRAL_RED_NODE_SECRET", c)
+    sb = await make_sandbox(guest=True)
+    r = await run(sb, "env; tr '\\0' '\\n' < /proc/self/environ; cat /proc/1/environ; echo end")
+    assert r.stdout.endswith(b"end\n"), out(r)
+    shell = await sb.shell()
+    r = await shell.run("env")
+    watch(r.stdout + r.stderr)
+    p = await sb.spawn(["env"])
+    res = await p.wait(timeout=30)
+    watch(res.stdout + res.stderr)

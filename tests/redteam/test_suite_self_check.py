@@ -1,0 +1,21 @@
+"""The suite's own detector works: a canary that does reach guest output is reported."""
+
+from __future__ import annotations
+
+from tests.redteam.conftest import _WATCH, new_canary, run
+
+
+async def test_canary_detector_fires(guest):  # type: ignore[no-untyped-def]
+    c = new_canary()
+    await guest.files.write("/work/leak.txt", f"x {c} y")  # as if it had leaked in
+    r = await run(guest, "grep -rao 'CRLCAN[A]RY[0-9a-f]*' /work; echo done")
+    assert r.stdout.splitlines()[-1] == b"done"
+    assert _WATCH.leaked() == [c]
+    # and the search pattern itself never matches (it is in the guest's /proc/*/cmdline)
+    _WATCH.seen.clear()
+    r = await run(
+        guest,
+        "rm /work/leak.txt; grep -rao --exclude=pagemap 'CRLCAN[A]RY[0-9a-f]*' /proc /work; echo done",
+    )
+    assert r.stdout == b"done\n"
+    assert _WATCH.leaked() == []
