@@ -847,8 +847,7 @@ def test_network_namespace(run: Run) -> None:
             "echo rc=$?; grep '^[^ ]* /sys[ /]' /proc/self/mounts | "
             "grep -v '^[^ ]* /sys/fs/cgroup tmpfs ' | "
             # masked files are /dev/null bound over them: harmless, and not read-only binds
-            + "".join(f"grep -v '^[^ ]* {p} ' | " for p in MASKED_PATHS
-                      if p.startswith("/sys/"))
+            + "".join(f"grep -v '^[^ ]* {p} ' | " for p in MASKED_PATHS if p.startswith("/sys/"))
             + "grep -v -c ' ro,'",
             net_ns=f"/run/netns/{name}",
         )
