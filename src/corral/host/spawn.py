@@ -155,7 +155,9 @@ def ensure_built(out_dir: Path) -> Path:
         try:
             proc = subprocess.run(
                 ["gcc", *CFLAGS, "-x", "c", "-o", tmp, "-"],
-                input=src, capture_output=True, timeout=120,
+                input=src,
+                capture_output=True,
+                timeout=120,
             )
         except FileNotFoundError as e:
             raise HostError("cannot build corral-spawn: gcc is not installed on this node") from e
@@ -260,8 +262,7 @@ async def spawn_helper(
         if exe_fd is not None:
             exe = fcntl.fcntl(exe_fd, fcntl.F_DUPFD, 0)
             dups.append(exe)
-        full = helper_argv(helper, argv, legacy_view=legacy_view, ctl_fd=ctl, exe_fd=exe,
-                           log=log)
+        full = helper_argv(helper, argv, legacy_view=legacy_view, ctl_fd=ctl, exe_fd=exe, log=log)
         pid = os.posix_spawn(full[0], full, os.environ, file_actions=actions)
     finally:
         for d in dups:

@@ -139,13 +139,19 @@ class Node:
             if cfg.eager_layers:
                 resolve = _eager_resolver(store, cfg.state_dir / "eager")
             layers = LayerMounts(cfg.state_dir / "mnt", resolve, store.verify, userns)
-            scratch = Scratch(cfg.state_dir / "scratch.img", cfg.state_dir / "scratch",
-                              cfg.scratch_size)
+            scratch = Scratch(
+                cfg.state_dir / "scratch.img", cfg.state_dir / "scratch", cfg.scratch_size
+            )
             await asyncio.to_thread(scratch.setup)
             backend = ContainerBackend(
                 # Each sandbox's dir is its scratch subvolume (see ContainerBackend._create).
-                sandboxes_dir=scratch.mountpoint, runtime=runtime, cgroups=cgroups,
-                layers=layers, scratch=scratch, init_path=init_path, host_uid=cfg.host_uid,
+                sandboxes_dir=scratch.mountpoint,
+                runtime=runtime,
+                cgroups=cgroups,
+                layers=layers,
+                scratch=scratch,
+                init_path=init_path,
+                host_uid=cfg.host_uid,
                 id_count=cfg.id_count,
             )
         except BaseException:
@@ -155,8 +161,17 @@ class Node:
             os.close(lock_fd)
             raise
         node = cls(
-            cfg, node_id=node_id, state=state, store=store, cgroups=cgroups, runtime=runtime,
-            userns=userns, layers=layers, scratch=scratch, backend=backend, lock_fd=lock_fd,
+            cfg,
+            node_id=node_id,
+            state=state,
+            store=store,
+            cgroups=cgroups,
+            runtime=runtime,
+            userns=userns,
+            layers=layers,
+            scratch=scratch,
+            backend=backend,
+            lock_fd=lock_fd,
         )
         try:
             await node._recover()
@@ -278,9 +293,15 @@ class Node:
         sid = _new_id("sb-")
         now = time.time()
         info = SandboxInfo(
-            id=sid, state="creating", image=spec.image, image_digest=image.digest,
-            layers=list(image.layers), spec=spec, created_at=now,
-            expires_at=now + spec.ttl if spec.ttl else None, last_active_at=now,
+            id=sid,
+            state="creating",
+            image=spec.image,
+            image_digest=image.digest,
+            layers=list(image.layers),
+            spec=spec,
+            created_at=now,
+            expires_at=now + spec.ttl if spec.ttl else None,
+            last_active_at=now,
             runtime=self.runtime.name,
         )
         if spec.workdir == "/" and image.workdir != "/":
@@ -310,8 +331,9 @@ class Node:
             info = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
             if info is None:
                 raise SandboxNotFound(f"no sandbox {_shown(sandbox_id)} on node {self.node_id}")
-        return info.model_copy(update={"last_active_at": self._touched.get(
-            sandbox_id, info.last_active_at)})
+        return info.model_copy(
+            update={"last_active_at": self._touched.get(sandbox_id, info.last_active_at)}
+        )
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         out = list(self._live.values())
@@ -377,8 +399,12 @@ class Node:
             env["HOME"] = "/"
         limit = req.output_limit if req.output_limit is not None else info.spec.limits.output
         return {
-            "env": env, "cwd": req.cwd or info.spec.workdir, "uid": uid, "gid": gid,
-            "timeout": req.timeout, "output_limit": limit,
+            "env": env,
+            "cwd": req.cwd or info.spec.workdir,
+            "uid": uid,
+            "gid": gid,
+            "timeout": req.timeout,
+            "output_limit": limit,
         }
 
     def _image_env(self, info: SandboxInfo) -> dict[str, str]:
@@ -421,8 +447,12 @@ class Node:
 
     def _etc(self, sandbox_id: str, path: str) -> list[str]:
         try:
-            return self.backend.fs(sandbox_id).read(path, length=1 << 20).decode(
-                errors="replace").splitlines()
+            return (
+                self.backend.fs(sandbox_id)
+                .read(path, length=1 << 20)
+                .decode(errors="replace")
+                .splitlines()
+            )
         except CorralError:
             return []
 
@@ -440,8 +470,12 @@ class Node:
         return ExecResult(
             exit_code=r.code if reason == "exited" else None,
             signal=r.signal if reason != "exited" else None,
-            stdout=r.stdout, stderr=r.stderr, stdout_truncated=r.out_trunc,
-            stderr_truncated=r.err_trunc, duration=r.duration, reason=reason,  # type: ignore[arg-type]
+            stdout=r.stdout,
+            stderr=r.stderr,
+            stdout_truncated=r.out_trunc,
+            stderr_truncated=r.err_trunc,
+            duration=r.duration,
+            reason=reason,  # type: ignore[arg-type]
         )
 
     def _oom_kills(self, sid: str) -> int:
@@ -467,7 +501,10 @@ class Node:
         before = self._oom_kills(sandbox_id)
         with self._working(sandbox_id):
             stream = self.backend.client(sandbox_id).stream(
-                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, keep_output=False,
+                req.cmd,
+                stdin_pipe=req.stdin is not None,
+                tty=req.tty,
+                keep_output=False,
                 **p,  # type: ignore[arg-type]
             )
             async with self._init_errors(sandbox_id, "the exec"), stream as s:
@@ -479,15 +516,26 @@ class Node:
                 result = s.result
         yield self._to_result(sandbox_id, result, before)
 
-    def pty(self, sandbox_id: str, cmd: list[str], rows: int, cols: int,
-            env: dict[str, str] | None = None) -> _BusyStream:
+    def pty(
+        self,
+        sandbox_id: str,
+        cmd: list[str],
+        rows: int,
+        cols: int,
+        env: dict[str, str] | None = None,
+    ) -> _BusyStream:
         """An interactive terminal stream (for ``corral sandbox shell``). The sandbox counts
         as busy while it is open, so the idle reaper never takes it from under a user."""
         info = self._active(sandbox_id)
         p = self._prepare(info, ExecRequest(cmd=cmd, env={"TERM": "xterm-256color", **(env or {})}))
         p["output_limit"] = 1 << 40
         stream = self.backend.client(sandbox_id).stream(
-            cmd, stdin_pipe=True, tty=True, rows=rows, cols=cols, keep_output=False,
+            cmd,
+            stdin_pipe=True,
+            tty=True,
+            rows=rows,
+            cols=cols,
+            keep_output=False,
             **p,  # type: ignore[arg-type]
         )
         return _BusyStream(stream, self._working(sandbox_id))
@@ -512,7 +560,12 @@ class Node:
                 p = await self.backend.client(sandbox_id).wait(process_id, timeout=wait or 0)
         result = self._to_result(sandbox_id, p.exit, before) if p.exit else None
         return ProcessInfo(
-            id=p.id, pid=p.pid, cmd=p.argv, running=p.running, stdout=p.stdout, stderr=p.stderr,
+            id=p.id,
+            pid=p.pid,
+            cmd=p.argv,
+            running=p.running,
+            stdout=p.stdout,
+            stderr=p.stderr,
             result=result,
         )
 
@@ -540,8 +593,9 @@ class Node:
             raise InvalidRequest(validation_message(e)) from None
         shell_id = _new_id("sh-")
         start = req.cwd or info.spec.workdir
-        r = await self.exec(sandbox_id, ExecRequest(cmd=shellmod.init_argv(shell_id, start),
-                                                    timeout=30))
+        r = await self.exec(
+            sandbox_id, ExecRequest(cmd=shellmod.init_argv(shell_id, start), timeout=30)
+        )
         if not r.ok:
             raise SandboxError(
                 f"sandbox {sandbox_id}: could not start a shell session (needs bash in the "
@@ -551,7 +605,11 @@ class Node:
         return ShellInfo(id=shell_id, cwd=start, created_at=created)
 
     async def shell_run(
-        self, sandbox_id: str, shell_id: str, command: str, timeout: float | None = None,
+        self,
+        sandbox_id: str,
+        shell_id: str,
+        command: str,
+        timeout: float | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
         row = self.state.get_shell(shell_id)
@@ -559,9 +617,15 @@ class Node:
             raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
         if "\0" in command:
             raise InvalidRequest("command: cannot contain NUL bytes")
-        return await self.exec(sandbox_id, ExecRequest(
-            cmd=shellmod.shell_argv(shell_id, command), env=row[2], timeout=timeout, stdin=stdin,
-        ))
+        return await self.exec(
+            sandbox_id,
+            ExecRequest(
+                cmd=shellmod.shell_argv(shell_id, command),
+                env=row[2],
+                timeout=timeout,
+                stdin=stdin,
+            ),
+        )
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         row = self.state.get_shell(shell_id)
@@ -587,8 +651,9 @@ class Node:
                         f"sandbox {sandbox_id} was destroyed during file {method}"
                     ) from e
                 if e.status == 400:
-                    self.state.add_event(sandbox_id, "file_refused",
-                                         {"op": method, "error": e.message[:500]})
+                    self.state.add_event(
+                        sandbox_id, "file_refused", {"op": method, "error": e.message[:500]}
+                    )
                 raise
 
     async def file_read(
@@ -641,12 +706,16 @@ class Node:
 
         vm = psutil.virtual_memory()
         return NodeStatus(
-            node_id=self.node_id, version=__version__, runtime=self.runtime.name,
+            node_id=self.node_id,
+            version=__version__,
+            runtime=self.runtime.name,
             cgroup_mode=self.cgroups.mode,  # type: ignore[arg-type]
             sandboxes=len(self._live),
             running=sum(1 for i in self._live.values() if i.state == "running"),
-            state_dir=str(self.config.state_dir), store=str(self.config.store_dir),
-            mounted_layers=len(self.layers.mounted()), mem_total=vm.total,
+            state_dir=str(self.config.state_dir),
+            store=str(self.config.store_dir),
+            mounted_layers=len(self.layers.mounted()),
+            mem_total=vm.total,
             mem_available=vm.available,
         )
 

@@ -66,8 +66,14 @@ class StateStore:
         self._db.execute(
             "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?)",
             (
-                info.id, info.state, info.model_dump_json(), json.dumps(info.spec.labels),
-                info.created_at, info.expires_at, info.spec.idle_timeout, info.last_active_at,
+                info.id,
+                info.state,
+                info.model_dump_json(),
+                json.dumps(info.spec.labels),
+                info.created_at,
+                info.expires_at,
+                info.spec.idle_timeout,
+                info.last_active_at,
             ),
         )
 
@@ -134,12 +140,14 @@ class StateStore:
         if sandbox_id is None:
             rows = self._db.execute(
                 "SELECT id, sandbox_id, time, kind, detail FROM events WHERE id>? "
-                "ORDER BY id LIMIT ?", (since_id, limit)
+                "ORDER BY id LIMIT ?",
+                (since_id, limit),
             )
         else:
             rows = self._db.execute(
                 "SELECT id, sandbox_id, time, kind, detail FROM events "
-                "WHERE sandbox_id=? AND id>? ORDER BY id LIMIT ?", (sandbox_id, since_id, limit)
+                "WHERE sandbox_id=? AND id>? ORDER BY id LIMIT ?",
+                (sandbox_id, since_id, limit),
             )
         return [
             Event(id=r[0], sandbox_id=r[1], time=r[2], kind=r[3], detail=json.loads(r[4]))
