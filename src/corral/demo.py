@@ -234,7 +234,11 @@ async def run_async(count: int = 16, config: NodeConfig | None = None) -> int:
     lat = Table(title="latency (ms)")
     for col in ("operation", "count", "median", "p99"):
         lat.add_column(col, justify="right")
-    for name, xs in (("create", t.create), ("exec", t.exec), ("destroy", t.destroy)):
+    for name, xs in (
+        ("create", t.create),
+        ("exec (agent commands, pytest included)", t.exec),
+        ("destroy", t.destroy),
+    ):
         med = statistics.median(xs) * 1000 if xs else float("nan")
         lat.add_row(name, str(len(xs)), f"{med:.1f}", f"{_p(xs, 0.99):.1f}")
     console.print(lat)
