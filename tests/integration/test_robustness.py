@@ -560,7 +560,7 @@ async def test_agent_crash(images_ready, mode: str) -> None:
     n = await Node.open(_cfg())
     try:
         await n.gc(everything=True)
-        mark = max((e.id for e in n.state.events()), default=0)
+        mark = n.state.last_event_id()
     finally:
         await n.close()
     _assert_clean()
@@ -677,7 +677,7 @@ async def test_corrupt_layer(images_ready) -> None:
     n = await Node.open(_cfg(store=STORE2))
     try:
         await n.gc(everything=True)
-        mark = max((e.id for e in n.state.events()), default=0)
+        mark = n.state.last_event_id()
         good = await n.sandbox_create(_spec("rob/ok"))
         size = bad_file.stat().st_size
         with open(bad_file, "r+b") as f:

@@ -134,6 +134,11 @@ class StateStore:
         )
         return int(cur.lastrowid or 0)
 
+    def last_event_id(self) -> int:
+        """Id of the newest event (0 if none): a mark for "events from now on"."""
+        row = self._db.execute("SELECT MAX(id) FROM events").fetchone()
+        return int(row[0] or 0)
+
     def events(
         self, sandbox_id: str | None = None, since_id: int = 0, limit: int = 10000
     ) -> list[Event]:
