@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from corral.errors import HostError
+from corral.host.cbuild import build_static
 
 __all__ = ["SOURCE", "ensure_built", "helper_argv", "sealed_copy", "spawn_helper"]
 
@@ -139,41 +137,10 @@ CFLAGS = ("-static", "-O2", "-Wall", "-s")
 
 
 def ensure_built(out_dir: Path) -> Path:
-    """Compile the helper into ``out_dir`` unless this source version is already there.
-
-    Named after the source's sha256, written to a temporary name and renamed into place
-    (as :func:`corral.init.ensure_built` does for the init).
-    """
-    src = SOURCE.encode()
-    out = Path(out_dir) / f"corral-spawn-{hashlib.sha256(src).hexdigest()[:12]}"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".corral-spawn-", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        try:
-            proc = subprocess.run(
-                ["gcc", *CFLAGS, "-x", "c", "-o", tmp, "-"],
-                input=src,
-                capture_output=True,
-                timeout=120,
-            )
-        except FileNotFoundError as e:
-            raise HostError("cannot build corral-spawn: gcc is not installed on this node") from e
-        except subprocess.TimeoutExpired as e:
-            raise HostError(f"cannot build corral-spawn: gcc took over {e.timeout:.0f} s") from e
-        if proc.returncode != 0:
-            raise HostError(
-                f"cannot build corral-spawn: gcc failed (exit {proc.returncode}):\n"
-                + (proc.stderr or proc.stdout).decode(errors="replace").strip()
-            )
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """Compile corral-spawn into ``out_dir`` unless this source version is already there
+    (see :func:`corral.host.cbuild.build_static`). Raises HostError with the compiler
+    output when compiling fails."""
+    return build_static("corral-spawn", SOURCE.encode(), CFLAGS, out_dir)
 
 
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
