@@ -35,6 +35,8 @@ class NodeConfig(BaseModel):
     runtime: Literal["auto", "runc", "crun"] = "auto"
     max_sandboxes: int = Field(4096, ge=1)
     reaper_interval: float = Field(1.0, gt=0)
+    event_retention: int = Field(1_000_000, ge=1000)
+    """How many of the newest events the node keeps; older ones are trimmed by the reaper."""
     api_socket: Path | None = None
     """Unix socket of ``corral node serve``; default ``run_dir/api.sock``."""
     cgroup_subtree: str = Field("corral", pattern=r"^corral[a-z0-9-]*$")

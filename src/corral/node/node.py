@@ -845,6 +845,7 @@ class Node:
 
     async def reap_once(self) -> None:
         self._flush_touches()
+        self.state.trim_events(self.config.event_retention)
         now = time.time()
         for sid in list(self._live):
             info = self._live.get(sid)  # as it is now: an earlier destroy here awaited

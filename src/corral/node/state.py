@@ -134,6 +134,11 @@ class StateStore:
         )
         return int(cur.lastrowid or 0)
 
+    def trim_events(self, keep: int) -> int:
+        """Drop all but the newest ``keep`` events; returns how many were dropped."""
+        cur = self._db.execute("DELETE FROM events WHERE id <= ?", (self.last_event_id() - keep,))
+        return cur.rowcount
+
     def last_event_id(self) -> int:
         """Id of the newest event (0 if none): a mark for "events from now on"."""
         row = self._db.execute("SELECT MAX(id) FROM events").fetchone()
