@@ -185,6 +185,8 @@ class SandboxInfo(_Model):
     """Digest of the image manifest the sandbox was created from."""
     layers: list[str] = Field(default_factory=list)
     """The image's layer digests at creation (the image may change or go later)."""
+    image_env: dict[str, str] = Field(default_factory=dict)
+    """The image's environment at creation, under ``spec.env`` in every exec."""
     spec: SandboxSpec
     created_at: float
     expires_at: float | None = None

@@ -298,6 +298,7 @@ class Node:
             image=spec.image,
             image_digest=image.digest,
             layers=list(image.layers),
+            image_env=dict(image.env),
             spec=spec,
             created_at=now,
             expires_at=now + spec.ttl if spec.ttl else None,
@@ -391,7 +392,7 @@ class Node:
     # ------------------------------------------------------------------ exec
     def _prepare(self, info: SandboxInfo, req: ExecRequest) -> dict[str, object]:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": info.spec.hostname}
-        env.update(self._image_env(info))
+        env.update(info.image_env)
         env.update(info.spec.env)
         env.update(req.env)
         uid, gid = self._resolve_user(info.id, req.user)
@@ -406,12 +407,6 @@ class Node:
             "timeout": req.timeout,
             "output_limit": limit,
         }
-
-    def _image_env(self, info: SandboxInfo) -> dict[str, str]:
-        try:
-            return self.store.image(info.image_digest).env
-        except CorralError:
-            return {}
 
     def _resolve_user(self, sandbox_id: str, user: str | None) -> tuple[int, int]:
         if not user:
