@@ -35,7 +35,7 @@ from corral.host.runtime import OCIRuntime
 from corral.images.mounts import LayerMounts
 from corral.spec import ImageInfo, SandboxSpec
 
-__all__ = ["ContainerBackend"]
+__all__ = ["ContainerBackend", "remove_sandbox_dir"]
 
 
 class ContainerBackend:
@@ -121,7 +121,7 @@ class ContainerBackend:
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
         else:
             d.mkdir(mode=0o711)
-            undo.append(lambda: _remove_dir(d))
+            undo.append(lambda: remove_sandbox_dir(d))
         # 0711: runc in the user namespace must traverse it as the mapped uid; no listing.
         os.chmod(d, 0o711)
 
@@ -320,7 +320,7 @@ class ContainerBackend:
         if image is not None:
             for digest in image.layers:
                 await step(f"layer {digest[:19]}", functools.partial(self.layers.release, digest))
-        await step("dir", lambda: _remove_dir(self.dir(sandbox_id)))
+        await step("dir", lambda: remove_sandbox_dir(self.dir(sandbox_id)))
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
@@ -341,7 +341,7 @@ def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool] | None = None) -> Non
         os.close(fd)
 
 
-def _remove_dir(d: Path) -> None:
+def remove_sandbox_dir(d: Path) -> None:
     """Remove a sandbox dir without ever descending into a still-mounted rootfs."""
     for name in ("config.json", "ctl.sock"):
         with contextlib.suppress(FileNotFoundError):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends import shell as shellmod
-from corral.backends.container import ContainerBackend
+from corral.backends.container import ContainerBackend, remove_sandbox_dir
 from corral.backends.initclient import InitExit
 from corral.errors import (
     CapacityError,
@@ -750,10 +750,8 @@ class Node:
         if self.backend.sandboxes_dir.exists():
             for d in self.backend.sandboxes_dir.iterdir():
                 if d.name not in live:
-                    from corral.backends.container import _remove_dir
-
                     try:
-                        _remove_dir(d)
+                        remove_sandbox_dir(d)
                     except OSError as e:
                         # Kept, not forced: it may hold guest data (an unmounted rootfs).
                         log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
