@@ -3,20 +3,29 @@
 The leak check snapshots the host before the first test (mounts, corral cgroups, loop
 devices, network namespaces, nft tables, runtime containers, swap) and fails the run if
 anything new is left after the last one.
+
+``CORRAL_TEST_TAG=-x`` (lowercase letters and digits after the dash) gives every test node
+its own state dir, run dir and cgroup subtree (``corral-test-x...``), so that several test
+runs can share one machine; the leak check then counts only what carries the tag. CI runs
+untagged, with the full check.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-TEST_STATE = Path("/var/lib/corral-test")
-TEST_RUN = Path("/run/corral-test")
+TAG = os.environ.get("CORRAL_TEST_TAG", "")
+if TAG and not re.fullmatch(r"-[a-z0-9]{1,8}", TAG):
+    raise SystemExit(f"CORRAL_TEST_TAG must look like -a1 (a dash, 1-8 of a-z0-9), got {TAG!r}")
+TEST_STATE = Path(f"/var/lib/corral-test{TAG}")
+TEST_RUN = Path(f"/run/corral-test{TAG}")
 TEST_STORE = Path("/var/tmp/corral-test-store")
-TEST_SUBTREE = "corral-test"
+TEST_SUBTREE = f"corral-test{TAG}"
 
 
 def _host_snapshot() -> set[str]:
@@ -64,6 +73,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     left = sorted(_host_snapshot() - _before)
+    if TAG:
+        left = [x for x in left if f"corral-test{TAG}" in x]
     if left:
         msg = "corral left these on the host:\n  " + "\n  ".join(left)
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(msg, red=True)

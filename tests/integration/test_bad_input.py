@@ -23,10 +23,11 @@ import httpx
 import pytest
 
 from tests.integration.conftest import node_config
+from tests.conftest import TAG
 
-STATE = Path("/var/lib/corral-test-bad")
-RUN = Path("/run/corral-test-bad")
-SUBTREE = "corral-test-bad"
+STATE = Path(f"/var/lib/corral-test{TAG}-bad")
+RUN = Path(f"/run/corral-test{TAG}-bad")
+SUBTREE = f"corral-test{TAG}-bad"
 
 LIMITS = {"cpus": 1, "memory": "128MiB", "pids": 64, "disk": "64MiB"}
 GOOD_SPEC: dict[str, Any] = {"image": "test/busybox", "limits": LIMITS}
@@ -790,5 +791,5 @@ async def test_zz_node_fine_and_nothing_left(world: World):
     assert r.status_code == 200 and r.json()["sandboxes"] == 0, r.text
     await world.node.close()
     shutil.rmtree(RUN, ignore_errors=True)
-    found = leaks.scan(STATE, RUN, subtree=SUBTREE, netns_prefix="corral-test-bad-")
+    found = leaks.scan(STATE, RUN, subtree=SUBTREE, netns_prefix=f"corral-test{TAG}-bad-")
     assert leaks.total(found) == 0, found

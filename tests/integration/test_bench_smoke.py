@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_STORE
+from tests.conftest import TAG, TEST_STORE
 
-STATE = Path("/var/lib/corral-test-bench")
-RUN = Path("/run/corral-test-bench")
+STATE = Path(f"/var/lib/corral-test{TAG}-bench")
+RUN = Path(f"/run/corral-test{TAG}-bench")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def bench(images_ready):  # type: ignore[no-untyped-def]
             "--run-dir",
             str(RUN),
             "--cgroup-subtree",
-            "corral-test-bench",
+            f"corral-test{TAG}-bench",
             "--store",
             str(TEST_STORE),
             "--image",

@@ -19,10 +19,11 @@ from corral.sdk._http import HTTPOps
 from corral.spec import ExecRequest, Limits, SandboxSpec
 from tests.integration.conftest import node_config
 from tests.unit.test_pty_ws import run_cli_in_pty
+from tests.conftest import TAG
 
-STATE = Path("/var/lib/corral-test-pty")
-RUN = Path("/run/corral-test-pty")
-SUBTREE = "corral-test-pty"
+STATE = Path(f"/var/lib/corral-test{TAG}-pty")
+RUN = Path(f"/run/corral-test{TAG}-pty")
+SUBTREE = f"corral-test{TAG}-pty"
 
 
 @pytest.fixture

@@ -9,10 +9,11 @@ from corral.host import leaks
 from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
 from tests.integration.conftest import node_config
+from tests.conftest import TAG
 
-STATE = Path("/var/lib/corral-test-restart")
-RUN = Path("/run/corral-test-restart")
-SUBTREE = "corral-test-restart"
+STATE = Path(f"/var/lib/corral-test{TAG}-restart")
+RUN = Path(f"/run/corral-test{TAG}-restart")
+SUBTREE = f"corral-test{TAG}-restart"
 
 
 def _cfg():  # type: ignore[no-untyped-def]

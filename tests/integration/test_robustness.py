@@ -31,11 +31,12 @@ from corral.host import leaks
 from corral.node import Node
 from corral.spec import ExecChunk, ExecRequest, ExecResult, Limits, SandboxSpec
 from tests.integration.conftest import node_config
+from tests.conftest import TAG
 
-STATE = Path("/var/lib/corral-test-rob")
-RUN = Path("/run/corral-test-rob")
-SUBTREE = "corral-test-rob"
-STORE2 = Path("/var/tmp/corral-test-rob-store")
+STATE = Path(f"/var/lib/corral-test{TAG}-rob")
+RUN = Path(f"/run/corral-test{TAG}-rob")
+SUBTREE = f"corral-test{TAG}-rob"
+STORE2 = Path(f"/var/tmp/corral-test{TAG}-rob-store")
 SMALL = Limits(cpus=1, memory="256MiB", pids=128, disk="128MiB")
 REPO = Path(__file__).resolve().parents[2]
 

@@ -42,6 +42,7 @@ import corral
 from corral.sdk import Sandbox
 from corral.spec import ExecResult
 from tests.integration.conftest import images_ready, node_config  # noqa: F401
+from tests.conftest import TAG
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,9 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
-RED_STATE = Path("/var/lib/corral-test-red")
-RED_RUN = Path("/run/corral-test-red")
-RED_SUBTREE = "corral-test-red"
+RED_STATE = Path(f"/var/lib/corral-test{TAG}-red")
+RED_RUN = Path(f"/run/corral-test{TAG}-red")
+RED_SUBTREE = f"corral-test{TAG}-red"
 IMAGE = "test/debian"
 CANARY_PREFIX = "CRLCANARY"
 GUEST_LIMITS = corral.Limits(cpus=1, memory="256MiB", pids=256, disk="256MiB")
