@@ -8,27 +8,21 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 
-from tests.redteam.conftest import RED_STATE, new_canary, out, run, watch
+from tests.redteam.conftest import RED_RUN, RED_STATE, new_canary, out, run, watch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE (info leak): /proc/self/mountinfo shows host paths: the overlay's lowerdir+=/"
-        "upperdir=/workdir= options (<state_dir>/mnt/idmap/<digest>, <state_dir>/scratch/"
-        "<sandbox id>/upper) and the root of the /.corral/init bind (<state_dir>/bin/"
-        "corral-init-<hash> on the host's root device). Fix (backends/container.py, "
-        "images/mounts.py): mount the overlay with relative layer paths (overlayfs shows "
-        "the option strings as given), and bind the init from a dedicated tiny filesystem "
-        "so the bind root is '/corral-init'."
-    ),
-)
-async def test_mountinfo_shows_no_host_paths(guest):  # type: ignore[no-untyped-def]
-    r = await run(guest, "cat /proc/self/mountinfo /proc/1/mountinfo 2>/dev/null")
-    assert r.exit_code == 0
-    assert str(RED_STATE).encode() not in r.stdout, out(r)
+async def test_mountinfo_shows_no_host_paths(guest, red_node):  # type: ignore[no-untyped-def]
+    """No mount the guest can list names where the node keeps its state: overlayfs shows
+    its layer options as given (corral gives /proc/self/fd/N), and the init is bound from
+    a tmpfs of its own (root /corral-init), not from the node's state dir."""
+    r = await run(guest, "cat /proc/self/mountinfo /proc/1/mountinfo /proc/self/mounts")
+    assert r.exit_code == 0 and b" /.corral/init " in r.stdout, out(r)
+    cfg = red_node.config
+    for host_path in (cfg.state_dir, cfg.run_dir, cfg.store_dir, RED_STATE, RED_RUN):
+        assert str(host_path).encode() not in r.stdout, (host_path, out(r))
+    init = next(line for line in r.stdout.split(b"\n") if b" /.corral/init " in line)
+    assert init.split()[3] == b"/corral-init", init
 
 
 async def test_host_identity_hidden(guest):  # type: ignore[no-untyped-def]

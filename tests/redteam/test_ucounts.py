@@ -1,8 +1,10 @@
 """Per-user kernel counters shared through the user namespace chain.
 
 Objects a guest creates in its user namespace are also charged to the *owner* of that
-namespace in the parent one: host root, which created every sandbox's namespace. Where the
-kernel limits them per user, guests together can use up host root's allowance:
+namespace in the parent one (kernel/ucount.c). Were that host root (as when the runtime
+creates the namespace), guests together could use up host root's allowance, and with it
+every neighbour's; corral makes each sandbox's namespace owned by a host uid of its own
+(corral.host.owners), so a guest exhausts only its own budget. The attacks:
 
 * inotify instances (fs.inotify.max_user_instances, global): then every root process on
   the host (the node, systemd) and every other sandbox fails inotify_init with EMFILE;
@@ -50,19 +52,6 @@ def _host_inotify_works() -> bool:
     return True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE (host-wide DoS): inotify instances created in a sandbox are charged to host "
-        "root (the owner of every sandbox's user namespace), limit fs.inotify."
-        "max_user_instances (128 here): one guest holding them makes inotify_init fail "
-        "with EMFILE for every root process on the host and in every other sandbox. Fix "
-        "(node/runtime side, not policy): the owner of each sandbox's user namespace must "
-        "not be root (see the sigpending test); until then the node can raise "
-        "fs.inotify.max_user_instances/max_user_watches far above any memory-cgroup-bounded "
-        "use. Denying inotify_init* in seccomp would break file watchers."
-    ),
-)
 async def test_guest_cannot_exhaust_host_inotify(guest, neighbour):  # type: ignore[no-untyped-def]
     assert _host_inotify_works()
     await guest.files.write("/tmp/hold.py", HOLD.replace("LINGER", "3"))
@@ -107,18 +96,6 @@ print("queues", n, ctypes.get_errno(), flush=True)
 MQ_TRY = MQ.replace("while n < 1000:", "while n < 1:")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE (cross-sandbox DoS): POSIX message queue bytes are charged up the user "
-        "namespace chain to host root, whose RLIMIT_MSGQUEUE (819200 bytes) is then the "
-        "budget of all sandboxes together: one guest's queues make mq_open fail with "
-        "EMFILE in every other sandbox (and for host root) for the guest's whole lifetime "
-        "(queues outlive processes). Fix: the owner of the sandbox user namespaces must "
-        "not be shared root (see the sigpending test); denying mq_open in seccomp would "
-        "remove POSIX queues for everyone (rare in agent workloads: a product decision)."
-    ),
-)
 async def test_guest_cannot_exhaust_shared_mqueue_budget(guest, neighbour):  # type: ignore[no-untyped-def]
     await guest.files.write("/tmp/mq.py", MQ)
     r = await run(guest, "python3 /tmp/mq.py")
@@ -153,20 +130,6 @@ def _host_sigqueue_works() -> bool:
     return r.stdout.split()[:2] == ["queued", "1"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "HOLE (host-wide DoS): pending real-time signals are charged up the user namespace "
-        "chain to host root, whose RLIMIT_SIGPENDING (96363 here) is the budget of every "
-        "sandbox and every root process together: one guest queueing that many makes "
-        "sigqueue()/timer_create() fail with EAGAIN for host root and all other sandboxes. "
-        "A per-sandbox RLIMIT_SIGPENDING does not help (the guest's counter is per uid "
-        "inside the sandbox, and the guest has CAP_SETUID). Fix (runtime/node): the owner "
-        "of each sandbox's user namespace must be an unprivileged, ideally per-sandbox, "
-        "host uid instead of root (create the userns from a helper with that euid and "
-        "hand it to the runtime as a namespace path)."
-    ),
-)
 async def test_guest_cannot_exhaust_host_sigpending(guest, neighbour):  # type: ignore[no-untyped-def]
     assert _host_sigqueue_works()
     # The guest inherits the node's RLIMIT_SIGPENDING, which is also the budget of host root
@@ -194,3 +157,20 @@ async def test_guest_cannot_exhaust_host_sigpending(guest, neighbour):  # type: 
     assert host_ok and neighbour_ok, (
         f"guest queued {queued}; host root sigqueue works: {host_ok}; neighbour: {out(r)}"
     )
+
+
+async def test_each_sandbox_owns_its_user_namespace(red_node, guest, neighbour):  # type: ignore[no-untyped-def]
+    """The layer under the three attacks above: the owner of a sandbox's user namespace
+    (whom the kernel charges) is an unprivileged host uid of that sandbox alone."""
+    from corral.host.owners import namespace_owner
+
+    owners = []
+    for sb in (guest, neighbour):
+        pid = (await red_node.sandbox_get(sb.id)).pid
+        owners.append(namespace_owner(pid))
+    first = red_node.config.owner_first
+    assert all(o is not None and first <= o < first + red_node.config.owner_uids for o in owners)
+    assert owners[0] != owners[1], owners
+    # Not a uid the sandboxes map to either: the guest can never become its own owner.
+    r = await run(guest, "cat /proc/self/uid_map")
+    assert r.stdout.split() == [b"0", str(red_node.config.host_uid).encode(), b"65536"], out(r)

@@ -215,25 +215,18 @@ def mount_overlay(
         os.close(fsfd)
 
 
-# fsconfig copies at most 256 bytes of a string value.
-_FSCONFIG_MAX_STRING = 255
-
-
 def _set_path(fsfd: int, key: str, path: Path, fds: list[int]) -> None:
-    """Give overlayfs a layer path; long ones by fd (6.15+) or as /proc/self/fd/N."""
-    if len(os.fsencode(path)) <= _FSCONFIG_MAX_STRING:
-        _sys.fsconfig(fsfd, _sys.FSCONFIG_SET_STRING, key, str(path))
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """Give overlayfs a layer as the string ``/proc/self/fd/N`` of an O_PATH fd.
+
+    overlayfs shows its options in /proc/<pid>/mountinfo exactly as given (a layer given
+    by fd, FSCONFIG_SET_FD, as its full path): a host path there would tell the guest
+    where the node keeps its state. The magic link resolves to the same directory while
+    the fd is open, is short (no 256-byte fsconfig string limit) and works on every
+    kernel with fsconfig.
+    """
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     fds.append(fd)
-    try:
-        _sys.fsconfig(fsfd, _sys.FSCONFIG_SET_FD, key, None, fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        # Kernels before 6.15 take layers only as strings; the magic link resolves to
-        # the same directory while the fd is open.
-        _sys.fsconfig(fsfd, _sys.FSCONFIG_SET_STRING, key, f"/proc/self/fd/{fd}")
+    _sys.fsconfig(fsfd, _sys.FSCONFIG_SET_STRING, key, f"/proc/self/fd/{fd}")
 
 
 def _mount_overlay_legacy(
@@ -249,7 +242,9 @@ def _mount_overlay_legacy(
     try:
         opts = ["lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in fds)]
         if upper is not None and work is not None:
-            opts += [f"upperdir={upper}", f"workdir={work}"]
+            # By fd too: mountinfo shows the options as given (see _set_path).
+            fds += [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (upper, work)]
+            opts += [f"upperdir=/proc/self/fd/{fds[-2]}", f"workdir=/proc/self/fd/{fds[-1]}"]
         opts += list(options)
         data = ",".join(opts)
         if len(data) >= 4096:

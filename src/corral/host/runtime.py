@@ -25,12 +25,14 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from corral.errors import HostError
 from corral.host import _sys, mounts, spawn
+from corral.host.userns import SandboxUserns
 
 __all__ = ["OCIRuntime"]
 
@@ -204,10 +206,19 @@ class OCIRuntime:
     # -- lifecycle --------------------------------------------------------------------
 
     async def run_detached(
-        self, container_id: str, bundle: Path, pass_fd: int | None = None
+        self,
+        container_id: str,
+        bundle: Path,
+        pass_fd: int | None = None,
+        userns: SandboxUserns | None = None,
+        rlimits: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         """Create and start the container; returns once its process runs.
 
+        ``userns``: the helper first creates the container's user namespace as its owner
+        uid at ``userns.path``, which the bundle's config names for the runtime to join
+        (the file is unmounted again before this returns). ``rlimits``: (resource, soft,
+        hard) the runtime's process starts with, for a config that names none.
         ``pass_fd`` arrives as fd 3 in the container's PID 1 (``--preserve-fds 1``). The
         runtime's stdio (which a detached container inherits) is /dev/null, so PID 1
         holds no host path or pipe; errors are read from a per-call ``--log`` file.
@@ -236,8 +247,15 @@ class OCIRuntime:
             args += ["--preserve-fds", "1"]
         args.append(container_id)
 
+        if userns is not None and self.helper is None:
+            Path(log).unlink(missing_ok=True)
+            raise HostError(
+                f"{self.name} run {container_id}: a sandbox user namespace needs corral-spawn"
+            )
         if self.helper is not None:
             try:
+                if userns is not None:
+                    userns.prepare()
                 # Safe: runs the container corral configured in ``bundle`` (userns, seccomp,
                 # masked paths); only the one fd we chose crosses into it (the helper
                 # closes every other fd above 2).
@@ -250,6 +268,8 @@ class OCIRuntime:
                             ctl_fd=pass_fd,
                             exe_fd=self.exe_fd,
                             log=Path(log),
+                            userns=None if userns is None else userns.helper_arg(),
+                            rlimits=rlimits,
                         )
                     )
                 )
@@ -257,6 +277,8 @@ class OCIRuntime:
                     raise self._error("run", container_id, rc, _log_errors(Path(log)))
             finally:
                 Path(log).unlink(missing_ok=True)
+                if userns is not None:
+                    userns.drop()
             return
 
         keep: tuple[int, ...] = ()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from corral.errors import HostError
@@ -31,12 +32,21 @@ __all__ = ["SOURCE", "ensure_built", "helper_argv", "sealed_copy", "spawn_helper
 
 SOURCE = r"""
 /* corral-spawn: set up the runtime's process, then exec it (see corral/host/spawn.py).
- *   corral-spawn [-l] [-f FD] [-x FD] [-L LOG] -- PROG [ARG...]
+ *   corral-spawn [-l] [-f FD] [-x FD] [-L LOG] [-U SPEC] [-R SPEC]... -- PROG [ARG...]
  * -l      private mount namespace in which /sys/fs/cgroup/unified is an empty private
  *         tmpfs instead of the hybrid cgroup2 mount (crun on hybrid hosts)
  * -f FD   FD becomes fd 3 (the sandbox control socket; the runtime gets --preserve-fds 1)
  * -x FD   execute the program in FD (a sealed memfd copy of the runtime) instead of PROG
  * -L LOG  append errors of this helper to LOG as a JSON line (the runtime's --log file)
+ * -U OWNER:HOSTID:COUNT:FILE
+ *         first create the sandbox's user namespace, owned by host uid/gid OWNER and
+ *         mapping ids 0..COUNT-1 to HOSTID.., and bind-mount it onto FILE (an existing
+ *         empty file) for the runtime to join (see corral/host/userns.py); FILE "@":
+ *         hold it as fd 4 instead (needs -f), which the runtime opens as /proc/self/fd/4
+ * -R RES:SOFT:HARD
+ *         setrlimit(RES) before the exec (repeatable): for runc, which otherwise sets the
+ *         container's limits with prlimit from outside its user namespace, and that needs
+ *         CAP_SYS_RESOURCE over a namespace root no longer owns
  * Every fd above 2 (above 3 with -f) is closed before the exec. Exit 127 on failure. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,11 +55,15 @@ SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static const char *log_path;
+static int userns_fd = -1; /* -U ...:@ : the namespace, moved to fd 4 before the exec */
 
 static void __attribute__((noreturn)) die(const char *what)
 {
@@ -65,9 +79,105 @@ static void __attribute__((noreturn)) die(const char *what)
 	_exit(127);
 }
 
+static int write_file(const char *path, const char *text)
+{
+	int f = open(path, O_WRONLY | O_CLOEXEC);
+	if (f < 0)
+		return -1;
+	ssize_t n = write(f, text, strlen(text));
+	int e = errno;
+	close(f);
+	errno = e;
+	return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/* The sandbox's user namespace, owned by the unprivileged host uid/gid OWNER: the kernel
+ * charges every per-user count of the guest (inotify instances and watches, pending
+ * signals, POSIX mqueue bytes, processes) also to the namespace's owner in the parent
+ * namespace, so with a private OWNER per sandbox one guest exhausts only its own budget,
+ * never host root's or a neighbour's. The limits of that budget are the creator's rlimits
+ * at creation (RLIMIT_SIGPENDING, _MSGQUEUE, _MEMLOCK: the node's); RLIMIT_NPROC, which
+ * the kernel enforces for a non-root creator only, is lifted where the node may (it needs
+ * CAP_SYS_RESOURCE): the sandbox's pids cgroup is its process limit.
+ *
+ * Cheap on purpose (every create does it): with only the effective ids switched to OWNER
+ * (real and saved stay root, so root comes back), clone(CLONE_NEWUSER) makes a child in a
+ * new namespace owned by OWNER. The child never has to run: its namespace exists when
+ * clone returns, so the maps are written and the namespace bound at once, and the child,
+ * blocked on a pipe from its first instruction, is then killed and reaped. */
+static void make_userns(const char *spec)
+{
+	unsigned owner, hostid, count;
+	int off = 0;
+	if (sscanf(spec, "%u:%u:%u:%n", &owner, &hostid, &count, &off) != 3 || !off ||
+	    !owner || !spec[off]) {
+		errno = EINVAL;
+		die("bad -U argument");
+	}
+	const char *file = spec + off;
+	int hold[2];
+	if (pipe2(hold, O_CLOEXEC) < 0)
+		die("pipe");
+	struct rlimit nproc, inf = {RLIM_INFINITY, RLIM_INFINITY};
+	getrlimit(RLIMIT_NPROC, &nproc);
+	(void)setrlimit(RLIMIT_NPROC, &inf);
+	if (setresgid(-1, owner, -1) < 0 || setresuid(-1, owner, -1) < 0)
+		die("switch to the namespace owner");
+	long pid = syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0);
+	int err = errno;
+	if (pid == 0) {
+		char c;
+		(void)!read(hold[0], &c, 1); /* EOF when the helper is done (or dies) */
+		syscall(SYS_exit, 0);
+	}
+	if (setresuid(-1, 0, -1) < 0 || setresgid(-1, 0, -1) < 0)
+		die("switch back to root");
+	(void)setrlimit(RLIMIT_NPROC, &nproc);
+	if (pid < 0) {
+		errno = err;
+		die("clone(CLONE_NEWUSER) as the namespace owner");
+	}
+	char path[64], map[64];
+	snprintf(map, sizeof map, "0 %u %u\n", hostid, count);
+	const char *step = "write uid_map";
+	snprintf(path, sizeof path, "/proc/%ld/uid_map", pid);
+	int bad = write_file(path, map);
+	if (!bad) {
+		step = "write gid_map";
+		snprintf(path, sizeof path, "/proc/%ld/gid_map", pid);
+		bad = write_file(path, map);
+	}
+	if (!bad) {
+		/* The runtime joins the namespace through this fd or file; the node unmounts
+		 * the file as soon as the runtime is done (the sandbox's processes keep the
+		 * namespace alive). */
+		snprintf(path, sizeof path, "/proc/%ld/ns/user", pid);
+		if (strcmp(file, "@") == 0) {
+			step = "open the user namespace";
+			int f = open(path, O_RDONLY | O_CLOEXEC);
+			bad = f < 0 || (userns_fd = fcntl(f, F_DUPFD_CLOEXEC, 10)) < 0;
+			if (f >= 0)
+				close(f);
+		} else {
+			step = "bind-mount the user namespace";
+			bad = mount(path, file, NULL, MS_BIND, NULL);
+		}
+	}
+	err = errno;
+	kill(pid, SIGKILL);
+	close(hold[1]);
+	close(hold[0]);
+	waitpid(pid, NULL, 0);
+	if (bad) {
+		errno = err;
+		die(step);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	int legacy = 0, fd = -1, exe = -1, i = 1;
+	const char *userns = NULL;
 	for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
 		if (!strcmp(argv[i], "-l"))
 			legacy = 1;
@@ -77,6 +187,21 @@ int main(int argc, char **argv)
 			exe = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "-L") && i + 1 < argc)
 			log_path = argv[++i];
+		else if (!strcmp(argv[i], "-U") && i + 1 < argc)
+			userns = argv[++i];
+		else if (!strcmp(argv[i], "-R") && i + 1 < argc) {
+			unsigned res;
+			unsigned long long soft, hard;
+			struct rlimit rl;
+			if (sscanf(argv[++i], "%u:%llu:%llu", &res, &soft, &hard) != 3) {
+				errno = EINVAL;
+				die("bad -R argument");
+			}
+			rl.rlim_cur = soft;
+			rl.rlim_max = hard;
+			if (setrlimit(res, &rl) < 0)
+				die("setrlimit");
+		}
 		else {
 			errno = EINVAL;
 			die("bad arguments");
@@ -86,6 +211,10 @@ int main(int argc, char **argv)
 		errno = EINVAL;
 		die("no program");
 	}
+	/* Before the private mount namespace below, so that the host sees (and the node can
+	 * remove) the bind mount of the namespace too. */
+	if (userns)
+		make_userns(userns);
 	if (legacy) {
 		/* Affects only this process's new, private copy of the mount table. */
 		if (unshare(CLONE_NEWNS) < 0)
@@ -117,8 +246,16 @@ int main(int argc, char **argv)
 			die("clear FD_CLOEXEC of fd 3");
 		}
 	}
-	/* Only stdio (and the control socket) may reach the runtime, and through it PID 1. */
+	/* Only stdio (and the control socket) may reach the runtime, and through it PID 1
+	 * (the runtime marks everything above its --preserve-fds CLOEXEC for the container). */
 	int first = fd >= 0 ? 4 : 3;
+	if (userns_fd >= 0) {
+		if (fd < 0 || dup2(userns_fd, 4) < 0) {
+			errno = fd < 0 ? EINVAL : errno;
+			die("user namespace fd 4 (needs -f)");
+		}
+		first = 5;
+	}
 	if (exe >= 0) {
 		if (syscall(SYS_close_range, first, exe - 1, 0) < 0 ||
 		    syscall(SYS_close_range, exe + 1, ~0U, 0) < 0)
@@ -181,9 +318,18 @@ def helper_argv(
     ctl_fd: int | None = None,
     exe_fd: int | None = None,
     log: Path | None = None,
+    userns: str | None = None,
+    rlimits: Sequence[tuple[int, int, int]] = (),
 ) -> list[str]:
-    """The command line that runs ``argv`` through the helper (fds must be inheritable)."""
+    """The command line that runs ``argv`` through the helper (fds must be inheritable).
+
+    ``userns`` is the helper's ``-U`` argument (see
+    :meth:`corral.host.userns.SandboxUserns.helper_arg`)."""
     out = [str(helper)]
+    if userns is not None:
+        out += ["-U", userns]
+    for res, soft, hard in rlimits:
+        out += ["-R", f"{res}:{soft}:{hard}"]
     if legacy_view:
         out.append("-l")
     if ctl_fd is not None:
@@ -203,14 +349,18 @@ async def spawn_helper(
     ctl_fd: int | None = None,
     exe_fd: int | None = None,
     log: Path | None = None,
+    userns: str | None = None,
+    rlimits: Sequence[tuple[int, int, int]] = (),
 ) -> int:
     """Run ``argv`` through the helper with stdio on /dev/null; return its exit status
     (negative: killed by that signal; 127: the helper failed, its error is in ``log``).
 
     ``ctl_fd`` arrives as fd 3 in ``argv``'s process; the helper closes every other fd
     above 2, so fds the agent holds without CLOEXEC never reach the runtime. ``exe_fd``
-    (see :func:`sealed_copy`) is executed instead of ``argv[0]``. If the caller is
-    cancelled, the child is still reaped when it exits.
+    (see :func:`sealed_copy`) is executed instead of ``argv[0]``. ``userns``: create the
+    sandbox's user namespace first (the helper's ``-U``). If the caller is cancelled, the
+    child is still reaped when it exits.
+    ``rlimits``: (resource, soft, hard) set before the exec (the helper's ``-R``).
     """
     loop = asyncio.get_running_loop()
     actions = [
@@ -229,7 +379,16 @@ async def spawn_helper(
         if exe_fd is not None:
             exe = fcntl.fcntl(exe_fd, fcntl.F_DUPFD, 0)
             dups.append(exe)
-        full = helper_argv(helper, argv, legacy_view=legacy_view, ctl_fd=ctl, exe_fd=exe, log=log)
+        full = helper_argv(
+            helper,
+            argv,
+            legacy_view=legacy_view,
+            ctl_fd=ctl,
+            exe_fd=exe,
+            log=log,
+            userns=userns,
+            rlimits=rlimits,
+        )
         pid = os.posix_spawn(full[0], full, os.environ, file_actions=actions)
     finally:
         for d in dups:

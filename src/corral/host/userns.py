@@ -1,4 +1,9 @@
-"""A user namespace held open by a file descriptor, for idmapped mounts.
+"""User namespaces: one held by an fd for idmapped mounts, and each sandbox's own.
+
+:class:`UserNamespace` is the node's namespace for idmapped layer mounts.
+:class:`SandboxUserns` describes a sandbox's namespace, which the runtime spawn helper
+creates as the sandbox's owner uid (see :mod:`corral.host.owners` for why) and
+bind-mounts onto a file for the runtime to join.
 
 An idmapped mount needs a user namespace whose mapping says how to translate ids;
 nothing has to run in it. We fork a child that unshares a new user namespace, write its
@@ -15,13 +20,64 @@ Example::
 from __future__ import annotations
 
 import os
+import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from corral.errors import HostError
 from corral.host import _sys
 from corral.host._sys import errtext
 
-__all__ = ["UserNamespace"]
+__all__ = ["SandboxUserns", "UserNamespace"]
+
+
+@dataclass(frozen=True)
+class SandboxUserns:
+    """A sandbox's user namespace: owned by host uid/gid ``owner``, mapping ids
+    0..size-1 to host_uid.., held while the runtime joins it at ``path`` (a bind mount),
+    or, with ``path`` None, as fd 4 of the runtime's process (no mount to make and undo;
+    for a runtime that opens the namespace itself, as crun does: runc opens it in a
+    child with other fds)."""
+
+    owner: int
+    host_uid: int
+    size: int
+    path: Path | None = None
+
+    FD_PATH = Path("/proc/self/fd/4")
+
+    @property
+    def join_path(self) -> Path:
+        """What the runtime's config names as the namespace to join."""
+        return self.FD_PATH if self.path is None else self.path
+
+    def helper_arg(self) -> str:
+        """The ``-U`` argument of corral-spawn (:mod:`corral.host.spawn`)."""
+        return f"{self.owner}:{self.host_uid}:{self.size}:{self.path or '@'}"
+
+    def prepare(self) -> None:
+        """Create the empty file the helper bind-mounts the namespace onto."""
+        if self.path is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise HostError(f"user namespace file {self.path}: {e.strerror}") from None
+        os.close(fd)
+
+    def drop(self) -> None:
+        """Unmount and remove the file; the namespace lives on in the sandbox's processes."""
+        if self.path is not None:
+            drop_file(self.path)
+
+
+def drop_file(path: Path) -> None:
+    """Remove a sandbox's namespace file, unmounting it first if it is still mounted."""
+    with contextlib.suppress(OSError):  # EINVAL: not (or no longer) mounted
+        # Safe: only ever a namespace file in one of corral's sandbox dirs.
+        _sys.umount2(path, _sys.MNT_DETACH | _sys.UMOUNT_NOFOLLOW)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 @dataclass
@@ -33,8 +89,15 @@ class UserNamespace:
     size: int
 
     @classmethod
-    def create(cls, host_uid: int = 100000, size: int = 65536) -> UserNamespace:
-        """Create the namespace (~1 ms: one fork, two map writes)."""
+    def create(
+        cls, host_uid: int = 100000, size: int = 65536, *, inverse: bool = False
+    ) -> UserNamespace:
+        """Create the namespace (~1 ms: one fork, two map writes).
+
+        ``inverse``: map the other way, ids host_uid.. inside to 0.. outside. An idmapped
+        mount made with it shows a sandbox's files (owned by host_uid..) as image-relative
+        ids (0..), which is how a snapshot of a writable layer becomes a layer.
+        """
         if host_uid <= 0 or size <= 0 or host_uid + size > 2**32 - 1:
             raise HostError(f"user namespace: bad mapping host_uid={host_uid} size={size}")
         ready_r, ready_w = os.pipe()
@@ -62,7 +125,7 @@ class UserNamespace:
             if msg != b"1":
                 err = int(msg[1:] or b"0") if msg.startswith(b"E") else 0
                 raise HostError(f"user namespace: unshare(CLONE_NEWUSER) failed: {errtext(err)}")
-            mapping = f"0 {host_uid} {size}\n"
+            mapping = f"{host_uid} 0 {size}\n" if inverse else f"0 {host_uid} {size}\n"
             try:
                 # Safe: maps the child's namespace onto corral's reserved sandbox range;
                 # writing as host root (CAP_SETUID in the parent ns) is what the kernel

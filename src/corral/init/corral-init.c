@@ -3,9 +3,9 @@
  *
  * Reaper + exec server. The protocol is docs/init-protocol.md (keep the two in step).
  * fd 3 is a listening unix stream socket handed over by `runc run --preserve-fds 1`;
- * the node connects to it by a host path the guest cannot see. One poll() loop, no
- * threads, no allocation beyond what live requests need, so that thousands of these
- * idle in well under a MiB each.
+ * the node connects to it by a host path the guest cannot see. One poll() loop, one
+ * helper thread (the landlock spawner, below), no allocation beyond what live requests
+ * need, so that thousands of these idle in well under a MiB each.
  *
  * Build: gcc -static -O2 -Wall -o corral-init corral-init.c
  */
@@ -25,7 +25,9 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <pthread.h>
 #include <termios.h>
 #include <time.h>
 #include <unistd.h>
@@ -814,6 +816,121 @@ static void __attribute__((noreturn)) child_main(const struct child_args *a)
 	child_fail(a->ctl, ST_EXEC, errno);
 }
 
+/* ------------------------------------------------------------------ landlock
+ *
+ * Every guest process runs in one landlock domain that PID 1 itself is outside of, scoped
+ * (ABI 6+) so that nothing in it can signal or ptrace PID 1, nor connect to an abstract
+ * unix socket made outside the domain (by PID 1, the host, another sandbox sharing a
+ * network namespace). Landlock restricts a thread, and what it forks inherits the domain:
+ * so one thread of PID 1, the spawner, restricts itself once and forks every guest
+ * command, while the main thread stays free. One domain for all commands (not one per
+ * command): guest processes of different exec calls may still signal each other.
+ * The spawner is a thread of the init process, so what it forks are the init's children:
+ * the main thread waits for, signals and reaps them exactly as if it had forked them. Without landlock (old kernel,
+ * seccomp) the main thread forks, as before. No filesystem access is handled: what
+ * must stay intact is read-only already (/.corral/init is a read-only bind). */
+
+#ifndef __NR_landlock_create_ruleset
+#define __NR_landlock_create_ruleset 444
+#endif
+#ifndef __NR_landlock_restrict_self
+#define __NR_landlock_restrict_self 446
+#endif
+#define LL_CREATE_RULESET_VERSION (1U << 0)
+#define LL_SCOPE_ABSTRACT_UNIX_SOCKET (1ULL << 0)
+#define LL_SCOPE_SIGNAL (1ULL << 1)
+
+struct ll_ruleset_attr {
+	uint64_t handled_access_fs, handled_access_net, scoped;
+};
+
+static int landlock_abi;        /* the kernel's landlock ABI (0: none) */
+static int landlock_on;         /* guest commands run in the scoped domain */
+static int spawn_req[2] = {-1, -1}, spawn_rep[2] = {-1, -1};
+
+static void __attribute__((noreturn)) child_main(const struct child_args *a);
+
+struct spawn_reply {
+	pid_t pid;
+	int err;
+};
+
+static void *spawner(void *arg)
+{
+	int rfd = (int)(intptr_t)arg, ok = syscall(__NR_landlock_restrict_self, rfd, 0) == 0;
+	int err = ok ? 0 : errno;
+	close(rfd);
+	if (write(spawn_rep[1], &err, sizeof err) != sizeof err || !ok)
+		return NULL;
+	for (;;) {
+		const struct child_args *a;
+		if (read(spawn_req[0], &a, sizeof a) != sizeof a)
+			return NULL;
+		struct spawn_reply r;
+		r.pid = fork();
+		r.err = errno;
+		if (r.pid == 0)
+			child_main(a);
+		if (write(spawn_rep[1], &r, sizeof r) != sizeof r)
+			return NULL;
+	}
+}
+
+/* Called once before the loop, with SIGCHLD already blocked (the spawner inherits that). */
+static void landlock_start(void)
+{
+	landlock_abi = syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+	if (landlock_abi < 6) { /* scoping came with ABI 6 (Linux 6.12) */
+		if (landlock_abi < 0)
+			landlock_abi = 0;
+		return;
+	}
+	struct ll_ruleset_attr attr = {0, 0, LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL};
+	int rfd = syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
+	if (rfd < 0)
+		return;
+	if (pipe2(spawn_req, O_CLOEXEC) < 0 || pipe2(spawn_rep, O_CLOEXEC) < 0) {
+		close(rfd);
+		return;
+	}
+	pthread_attr_t ta;
+	pthread_t t;
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_attr_init(&ta);
+	pthread_attr_setstacksize(&ta, 256 << 10); /* also the children's until they exec */
+	pthread_attr_setdetachstate(&ta, PTHREAD_CREATE_DETACHED);
+	/* every signal blocked in the spawner: signals aimed at it stay pending there */
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	int e = pthread_create(&t, &ta, spawner, (void *)(intptr_t)rfd);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&ta);
+	int err = -1;
+	if (e == 0 && read(spawn_rep[0], &err, sizeof err) == sizeof err && err == 0)
+		landlock_on = 1;
+	else if (e != 0)
+		close(rfd);
+}
+
+/* fork() for a guest command: in the landlock domain when there is one. */
+static pid_t spawn_child(const struct child_args *a)
+{
+	if (!landlock_on) {
+		pid_t pid = fork();
+		if (pid == 0)
+			child_main(a);
+		return pid;
+	}
+	struct spawn_reply r;
+	if (write(spawn_req[1], &a, sizeof a) != sizeof a ||
+	    read(spawn_rep[0], &r, sizeof r) != sizeof r) {
+		errno = EIO;
+		return -1;
+	}
+	errno = r.err;
+	return r.pid;
+}
+
 static void op_start(conn *c, req *r, int bg)
 {
 	uint64_t uid = 0, gid = 0, timeout = 0, limit = DEFAULT_LIMIT, rows = 24, cols = 80;
@@ -898,11 +1015,9 @@ static void op_start(conn *c, req *r, int bg)
 	};
 	what = "fork";
 	uint64_t t0 = now_ns();
-	pid_t pid = fork();
+	pid_t pid = spawn_child(&a);
 	if (pid < 0)
 		goto fail_errno;
-	if (pid == 0)
-		child_main(&a);
 
 	close(ctl[1]);
 	xclose(&slave);
@@ -1483,6 +1598,7 @@ int main(int argc, char **argv)
 	sig_fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
 	if (sig_fd < 0)
 		return 1;
+	landlock_start();
 	loop();
 	return 0;
 }
