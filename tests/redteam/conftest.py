@@ -107,6 +107,47 @@ def _canary_check() -> Iterator[None]:
     assert not leaked, f"HOLE: guest output contained host/neighbour canaries {leaked}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "logs(kind, **detail): the attack must leave an event of this kind (whose detail "
+        "has these values) on a guest sandbox; checked after the test",
+    )
+
+
+NOT_LOGGED = "NOT LOGGED"
+"""Prefix of the failure when an attack was blocked but left no event (corral redteam)."""
+
+
+@pytest.fixture(autouse=True)
+async def _logged_check(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """``@pytest.mark.logs("seccomp", syscall="bpf")``: after the test (the guests are
+    destroyed by then, their events stay), some guest has an event of that kind."""
+    marks = list(request.node.iter_markers("logs"))
+    node = request.getfixturevalue("red_node") if marks else None
+    yield
+    if node is not None:
+        missing = await missing_events(node, [(m.args[0], m.kwargs) for m in marks])
+        assert not missing, f"{NOT_LOGGED}: " + "; ".join(missing)
+
+
+async def missing_events(node: object, wanted: list[tuple[str, dict[str, object]]]) -> list[str]:
+    """Which (kind, detail) expectations no event of this test's guests meets."""
+    events = [
+        e
+        for sid in sorted(_WATCH.guest_ids)
+        for e in await node.events(sandbox_id=sid)  # type: ignore[attr-defined]
+    ]
+    seen = sorted({e.kind for e in events})
+    return [
+        f"no {kind!r} event with {want} on the guests (kinds: {seen})"
+        for kind, want in wanted
+        if not any(
+            e.kind == kind and all(e.detail.get(k) == v for k, v in want.items()) for e in events
+        )
+    ]
+
+
 @pytest.fixture
 def plant_canary() -> Iterator[Callable[[str | Path], str]]:
     """``plant_canary(path) -> canary``: write a canary into a host file.

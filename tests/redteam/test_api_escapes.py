@@ -136,6 +136,7 @@ def _tar(entries: list[tuple[str, str, bytes | str]]) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.logs("file_refused")
 async def test_hostile_tar_uploads(guest, host_dir):  # type: ignore[no-untyped-def]
     up = guest.files._ops.file_upload_tar  # type: ignore[attr-defined]
     hd = str(host_dir).lstrip("/")
@@ -198,6 +199,7 @@ async def test_hostile_exec_options(red_node, guest, host_dir):  # type: ignore[
     print(f"hostile exec options: {seen}")
 
 
+@pytest.mark.logs("file_refused")
 async def test_device_entries_in_uploads(guest):  # type: ignore[no-untyped-def]
     """A tar with device nodes and setuid files, uploaded by the node (host root): no
     usable device may appear in the guest, no privilege may come with a setuid bit."""

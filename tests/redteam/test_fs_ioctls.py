@@ -7,6 +7,8 @@ answer; the probe also tries each command with the upper 32 bits set (the kernel
 
 from __future__ import annotations
 
+import pytest
+
 from tests.redteam.conftest import out, probe_results, run, upload_probe
 
 PROBE = r"""
@@ -56,6 +58,8 @@ int main(void) {
 EPERM, ENOTTY = 1, 25
 
 
+@pytest.mark.logs("seccomp", syscall="ioctl", what="FICLONE")
+@pytest.mark.logs("seccomp", syscall="ioctl", what="XFS_IOC_SWAPEXT")
 async def test_fs_ioctls_refused(guest):  # type: ignore[no-untyped-def]
     await upload_probe(guest, PROBE)
     r = await run(guest, "/tmp/probe")
@@ -66,3 +70,17 @@ async def test_fs_ioctls_refused(guest):  # type: ignore[no-untyped-def]
     assert not not_eperm, f"refused by something other than seccomp, or allowed: {not_eperm}"
     r = await run(guest, "lsattr /tmp/a 2>&1; chattr +i /tmp/a; echo rc=$?; rm /tmp/a && echo gone")
     assert b"gone" in r.stdout, out(r)
+    # every refused command is in the event log, the upper-32-bit variants under the same
+    # command (the kernel and the log see only the low 32 bits)
+    logged = {e.detail["arg"] for e in await guest.events() if e.detail.get("syscall") == "ioctl"}
+    refused = {f"{int(c, 16):#x}" for c in _PROBED.values()}
+    assert refused <= logged, f"refused but not logged: {refused - logged}"
+
+
+_PROBED = {
+    "FICLONE": "40049409", "FICLONERANGE": "4020940d", "FIDEDUPERANGE": "c0189436",
+    "FS_IOC_SETFLAGS": "40086602", "FS_IOC32_SETFLAGS": "40046602",
+    "FS_IOC_FSSETXATTR": "401c5820", "FIFREEZE": "c0045877", "FITHAW": "c0045878",
+    "XFS_IOC_SWAPEXT": "c0c0586d", "BLKGETSIZE64": "80081272", "BLKDISCARD": "1277",
+    "BTRFS_IOC_SNAP_CREATE": "50009401", "BTRFS_IOC_DEFRAG": "50009402",
+}  # fmt: skip

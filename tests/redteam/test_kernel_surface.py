@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import subprocess
 
+import pytest
+
 from tests.redteam.conftest import out, probe_results, run, upload_probe
 
 PROBE = r"""
@@ -150,11 +152,22 @@ EXPECTED: dict[str, set[int]] = {
 }
 
 
+# Probe lines refused by seccomp that must leave a "seccomp" event naming the call.
+LOGGED_SYSCALLS = {
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "keyctl", "add_key",
+    "kexec_load", "init_module", "mount", "umount2", "pivot_root", "unshare", "socket",
+    "settimeofday", "sethostname", "setdomainname", "reboot", "swapon", "syslog", "chroot",
+    "open_by_handle_at", "pidfd_getfd",
+}  # fmt: skip
+
+
 def _sysrq_lines() -> int:
     r = subprocess.run(["dmesg"], capture_output=True, text=True)
     return sum("sysrq" in ln.lower() for ln in r.stdout.splitlines())
 
 
+@pytest.mark.logs("seccomp", syscall="bpf")
+@pytest.mark.logs("seccomp", syscall="socket", what="AF_PACKET")
 async def test_kernel_interfaces_refused(red_node, guest):  # type: ignore[no-untyped-def]
     hostname = socket.gethostname()
     sysrq_before = _sysrq_lines()
@@ -168,3 +181,10 @@ async def test_kernel_interfaces_refused(red_node, guest):  # type: ignore[no-un
     r = await run(guest, "hostname; ls /tmp")
     assert r.stdout.split()[0] == b"sandbox" and b"kmsg" not in r.stdout, out(r)
     assert _sysrq_lines() == sysrq_before, "HOLE: a sysrq write reached the host kernel"
+    evs = [e for e in await guest.events() if e.kind == "seccomp"]
+    logged = {e.detail["syscall"] for e in evs}
+    assert LOGGED_SYSCALLS <= logged, f"refused but not logged: {LOGGED_SYSCALLS - logged}"
+    assert {e.detail["comm"] for e in evs} == {"probe"}  # which program made the calls
+    # two mount calls: the first is logged at once, the repeat is counted (its event comes
+    # when the coalescing window ends), not logged as a second row now
+    assert sum(e.detail["syscall"] == "mount" for e in evs) == 1, evs

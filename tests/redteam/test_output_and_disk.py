@@ -11,6 +11,8 @@ import re
 import subprocess
 import time
 
+import pytest
+
 import corral
 from tests.redteam.conftest import RED_STATE, assert_healthy, out, run
 
@@ -36,6 +38,7 @@ def _scratch_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
+@pytest.mark.logs("output_limit")
 async def test_output_is_capped(red_node, guest, neighbour):  # type: ignore[no-untyped-def]
     t = time.monotonic()
     r = await guest.exec(["yes"], output_limit=65536, timeout=30)
@@ -50,6 +53,7 @@ async def test_output_is_capped(red_node, guest, neighbour):  # type: ignore[no-
     await assert_healthy(red_node, guest, neighbour)
 
 
+@pytest.mark.logs("disk_quota")
 async def test_disk_fill_stops_at_quota(red_node, make_sandbox, neighbour):  # type: ignore[no-untyped-def]
     guest = await make_sandbox(guest=True, limits=corral.Limits(memory="256MiB", disk=DISK))
     free_before = _scratch_free()
@@ -93,6 +97,7 @@ print("created", n)
 SMALL_DISK = 16 << 20
 
 
+@pytest.mark.logs("disk_quota")
 async def test_inode_pressure_contained(red_node, make_sandbox, neighbour):  # type: ignore[no-untyped-def]
     # A 16 MiB quota stops 200k files early (btrfs charges their metadata): fast, and the
     # charge is what this test is about.

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 import corral
 from tests.redteam.conftest import assert_healthy, out, run
 
@@ -41,6 +43,7 @@ async def _latency(sb) -> float:  # type: ignore[no-untyped-def]
     return _p99(lat)
 
 
+@pytest.mark.logs("pids_limit")
 async def test_bombs_do_not_slow_the_neighbour(red_node, make_sandbox, neighbour):  # type: ignore[no-untyped-def]
     rounds = []
     for _ in range(3):

@@ -1,8 +1,9 @@
-"""The suite's own detector works: a canary that does reach guest output is reported."""
+"""The suite's own detectors work: a canary that does reach guest output is reported, and
+an attack that leaves no event is reported as not logged."""
 
 from __future__ import annotations
 
-from tests.redteam.conftest import _WATCH, new_canary, run
+from tests.redteam.conftest import _WATCH, missing_events, new_canary, run
 
 
 async def test_canary_detector_fires(guest):  # type: ignore[no-untyped-def]
@@ -19,3 +20,13 @@ async def test_canary_detector_fires(guest):  # type: ignore[no-untyped-def]
     )
     assert r.stdout == b"done\n"
     assert _WATCH.leaked() == []
+
+
+async def test_event_check_fires(red_node, guest):  # type: ignore[no-untyped-def]
+    r = await run(guest, "python3 -c 'import ctypes; ctypes.CDLL(None).syscall(321, 0, 0, 0)'")
+    assert r.exit_code == 0
+    assert await missing_events(red_node, [("seccomp", {"syscall": "bpf"})]) == []
+    missing = await missing_events(
+        red_node, [("seccomp", {"syscall": "kexec_load"}), ("pids_limit", {})]
+    )
+    assert len(missing) == 2 and "kexec_load" in missing[0], missing

@@ -28,7 +28,24 @@ So ``ioctl`` is allowed only through ``SCMP_CMP_MASKED_EQ`` rules (mask within t
 bits) whose union is exactly the complement of the denied commands; denied commands fall
 through to the default action (EPERM). :func:`ioctl_allow_rules` computes that cover.
 
-Logging: ``SCMP_ACT_LOG`` *allows* the call, so it is never used for denials. The
+Logging (the security event log): with ``notify=LISTENER_PATH`` the profile answers the
+interesting denials (:data:`DENIED` but :data:`QUIET`, the denied ioctl commands, socket
+families outside the allowlist, ``clone`` with namespace flags) with ``SCMP_ACT_NOTIFY``
+instead of falling through to the default: the runtime sends the filter's notification fd
+to ``listenerPath`` (OCI ``linux.seccomp.listenerPath``, crun and runc >= 1.1), the node's
+listener (:mod:`corral.host.seccomp_notify`) records the call and answers EPERM, exactly
+what the default action would. The notify rules are disjoint from the allow rules, so the
+set of allowed calls is the same with and without them. If nobody listens any more (the
+node restarted and lost the fd) the kernel answers ENOSYS: still refused.
+
+One trap with notifications: when several stacked filters return the same action, the
+newest filter's listener is asked, and a listener may answer "continue" (run the call). A
+guest that installs a filter with a listener of its own could thus run what corral refuses
+the moment corral's listener is gone (verified after an agent restart). ``seccomp(2)`` is
+therefore allowed only without ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` (in every profile): the
+guest may filter itself, never answer for a filter.
+
+``SCMP_ACT_LOG`` *allows* the call, so it is never used for denials. The
 ``SECCOMP_FILTER_FLAG_LOG`` filter flag makes the kernel write an audit record (type 1326,
 host pid and uid, syscall number; to the kernel log when no audit daemon listens) for every
 ERRNO result. runc 1.1.x refuses to start a profile with ``flags`` ("seccomp flags are not
@@ -62,6 +79,8 @@ __all__ = [
     "ALLOWED_SOCKET_FAMILIES",
     "EPERM",
     "ENOSYS",
+    "QUIET",
+    "NOTIFY_SOCKET_FAMILIES",
     "default_profile",
     "profile_json",
     "complement_cover",
@@ -217,10 +236,23 @@ DENIED: dict[str, str] = {
     "socketcall": "i386 multiplexer: its arguments are in memory, so the socket family "
     "filter could not see them",
 }
+# Denied but not worth an event: NUMA-aware runtimes (hwloc, OpenBLAS, the JVM) probe these
+# routinely. They fall through to the default action (EPERM) without a notification.
+QUIET: frozenset[str] = frozenset(
+    {"get_mempolicy", "mbind", "set_mempolicy", "set_mempolicy_home_node", "socketcall"}
+)
+
 # Allowed only conditionally (see _build): clone without namespace flags, personality with a
 # few values, socket for ALLOWED_SOCKET_FAMILIES, ioctl except DENIED_IOCTLS; clone3 is
 # answered ENOSYS.
-_CONDITIONAL = ("clone", "clone3", "personality", "ioctl", "socket")
+_CONDITIONAL = ("clone", "clone3", "personality", "ioctl", "socket", "seccomp")
+
+# seccomp(2) is allowed (programs sandbox themselves) but not with a notification listener
+# of the guest's own: among filters that answer a call with the same action the newest one
+# decides, so a guest listener could receive the USER_NOTIF of a call corral refuses and
+# answer it "continue", i.e. run it. While corral's own listener is open the kernel refuses
+# a second one (EBUSY), but after an agent restart it is gone. arg 1 is the flags word.
+_SECCOMP_FLAG_NEW_LISTENER = 0x8
 
 # ioctl commands refused (EPERM). The kernel compares only the low 32 bits.
 DENIED_IOCTLS: dict[str, int] = {
@@ -274,6 +306,13 @@ ALLOWED_SOCKET_FAMILIES: dict[str, int] = {
     "AF_INET6": 10,
     "AF_NETLINK": 16,
 }
+
+
+# Socket families whose socket() call is recorded when refused: every family the kernel knows
+# (AF_MAX is 46 in 6.x) that is not allowed. Beyond it the kernel answers EAFNOSUPPORT.
+NOTIFY_SOCKET_FAMILIES: tuple[int, ...] = tuple(
+    f for f in range(1, 46) if f not in ALLOWED_SOCKET_FAMILIES.values()
+)
 
 
 def _deny_cubes() -> list[tuple[int, int]]:
@@ -382,7 +421,58 @@ def _rule(
     return rule
 
 
-def _build(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
+def _notify_rules() -> list[dict[str, Any]]:
+    """SCMP_ACT_NOTIFY for the refused calls worth an event; disjoint from every allow rule."""
+    rules = [_rule(sorted(n for n in DENIED if n not in QUIET), "SCMP_ACT_NOTIFY")]
+    # clone with any namespace flag (the allow rule wants all of them clear).
+    rules += [
+        _rule(
+            ["clone"],
+            "SCMP_ACT_NOTIFY",
+            [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
+        for flag in (1 << b for b in range(32) if _CLONE_NS_MASK >> b & 1)
+    ]
+    rules += [
+        _rule(
+            ["socket"],
+            "SCMP_ACT_NOTIFY",
+            [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
+        for fam in NOTIFY_SOCKET_FAMILIES
+    ]
+    rules.append(
+        _rule(
+            ["seccomp"],
+            "SCMP_ACT_NOTIFY",
+            [
+                {
+                    "index": 1,
+                    "value": _SECCOMP_FLAG_NEW_LISTENER,
+                    "valueTwo": _SECCOMP_FLAG_NEW_LISTENER,
+                    "op": "SCMP_CMP_MASKED_EQ",
+                }
+            ],
+        )
+    )
+    # The denied ioctl cubes, exactly the complement of the allow cover (a command inside a
+    # denied family needs no rule of its own).
+    cubes = _deny_cubes()
+    rules += [
+        _rule(
+            ["ioctl"],
+            "SCMP_ACT_NOTIFY",
+            [{"index": 1, "value": m, "valueTwo": v, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
+        for m, v in cubes
+        if not any((m2, v2) != (m, v) and m2 & ~m == 0 and v & m2 == v2 for m2, v2 in cubes)
+    ]
+    return rules
+
+
+def _build(
+    arch: str, compat32: bool, log_denials: bool, notify: str | None = None
+) -> dict[str, Any]:
     key = _ARCH_ALIASES.get(arch, arch)
     if key not in _ARCHES:
         raise InvalidRequest(
@@ -400,6 +490,18 @@ def _build(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
         # clone3 passes its flags in memory, which seccomp cannot read: pretend it does not
         # exist, and glibc retries with clone (where the flags are checked).
         _rule(["clone3"], "SCMP_ACT_ERRNO", errno=ENOSYS),
+        _rule(
+            ["seccomp"],
+            "SCMP_ACT_ALLOW",
+            [
+                {
+                    "index": 1,
+                    "value": _SECCOMP_FLAG_NEW_LISTENER,
+                    "valueTwo": 0,
+                    "op": "SCMP_CMP_MASKED_EQ",
+                }
+            ],
+        ),
     ]
     # An EQ test on personality fails closed: upper bits set by the guest only mismatch.
     syscalls += [
@@ -429,6 +531,8 @@ def _build(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
         )
         for m, v in ioctl_allow_rules()
     ]
+    if notify:
+        syscalls += _notify_rules()
     profile: dict[str, Any] = {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": EPERM,
@@ -437,35 +541,47 @@ def _build(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
     }
     if log_denials:
         profile["flags"] = ["SECCOMP_FILTER_FLAG_LOG"]
+    if notify:
+        profile["listenerPath"] = notify
     return profile
 
 
 @functools.cache
-def _cached(arch: str, compat32: bool, log_denials: bool) -> dict[str, Any]:
-    return _build(arch, compat32, log_denials)
+def _cached(arch: str, compat32: bool, log_denials: bool, notify: str | None) -> dict[str, Any]:
+    return _build(arch, compat32, log_denials, notify)
 
 
 def default_profile(
-    arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False
+    arch: str = "x86_64",
+    *,
+    compat32: bool = False,
+    log_denials: bool = False,
+    notify: str | None = None,
 ) -> dict[str, Any]:
     """The OCI ``linux.seccomp`` object for a guest on ``arch`` (x86_64 or aarch64).
 
     ``compat32`` also admits the 32-bit ABI (i386 on x86_64, arm on aarch64).
     ``log_denials`` sets ``SECCOMP_FILTER_FLAG_LOG`` (kernel audit log of every refused
     call); runc 1.1 refuses profiles with flags, so leave it off there.
+    ``notify`` is the path of a seccomp notification listener (``listenerPath``): the
+    refused calls worth an event are sent there (see the module docstring).
     Returns a fresh copy the caller may modify.
     """
-    return copy.deepcopy(_cached(arch, compat32, log_denials))
+    return copy.deepcopy(_cached(arch, compat32, log_denials, notify))
 
 
 def shared_profile(
-    arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False
+    arch: str = "x86_64",
+    *,
+    compat32: bool = False,
+    log_denials: bool = False,
+    notify: str | None = None,
 ) -> dict[str, Any]:
     """The cached profile itself, not a copy (saves ~4 ms per sandbox create): read-only."""
-    return _cached(arch, compat32, log_denials)
+    return _cached(arch, compat32, log_denials, notify)
 
 
 @functools.cache
 def profile_json(arch: str = "x86_64", *, compat32: bool = False, log_denials: bool = False) -> str:
     """:func:`default_profile` as compact JSON (cached: it is the same for every sandbox)."""
-    return json.dumps(_cached(arch, compat32, log_denials), separators=(",", ":"))
+    return json.dumps(_cached(arch, compat32, log_denials, None), separators=(",", ":"))
