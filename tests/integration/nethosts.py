@@ -1,0 +1,216 @@
+"""Test hosts for network tests, each in its own network namespace (no internet needed).
+
+``TestHosts`` creates, and removes on exit:
+  * ``pkgs.test`` (10.250.1.2): a PyPI-style simple index over HTTP with one small wheel
+    (``tinypkg``) built here, and a bulk file for throughput measurements;
+  * ``npm.test`` (10.250.2.2): another HTTP server (a different body);
+  * a DNS resolver (10.250.3.2) that knows both names (dnslib), logging every query it
+    gets to a file, so a test can tell whether a sandbox's query reached it.
+Each namespace hangs off the host by a veth ``ctn<TAG><i>`` (10.250.i.1 on the host side,
+forwarding enabled on that interface only). Only these addresses are ever targeted.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from tests.conftest import TAG
+
+PKGS_IP, NPM_IP, DNS_IP = "10.250.1.2", "10.250.2.2", "10.250.3.2"
+NAMES = {"pkgs.test": PKGS_IP, "npm.test": NPM_IP}
+BULK_SIZE = 64 << 20
+
+_DNS_SERVER = r"""
+import socket, sys
+from dnslib import A, QTYPE, RCODE, RR, DNSRecord
+names = dict(a.split("=") for a in sys.argv[2].split(","))
+log = open(sys.argv[3], "a", buffering=1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 53))
+while True:
+    data, addr = s.recvfrom(4096)
+    try:
+        q = DNSRecord.parse(data)
+    except Exception:
+        continue
+    name = str(q.q.qname).rstrip(".")
+    log.write(f"{addr[0]} {name} {QTYPE.get(q.q.qtype)}\n")
+    r = q.reply()
+    if name in names and q.q.qtype == QTYPE.A:
+        r.add_answer(RR(q.q.qname, QTYPE.A, rdata=A(names[name]), ttl=60))
+    elif name not in names:
+        r.header.rcode = RCODE.NXDOMAIN
+    s.sendto(r.pack(), addr)
+"""
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+def build_wheel(dst: Path, name: str = "tinypkg", version: str = "1.0") -> Path:
+    """A minimal pure-Python wheel (PEP 427) whose module prints a marker."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"MARKER = 'installed-from-pkgs-test'\n__version__ = '{version}'\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: corral-tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    out = dst / f"{name}-{version}-py3-none-any.whl"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    out.write_bytes(buf.getvalue())
+    return out
+
+
+class TestHosts:
+    __test__ = False  # not a pytest class
+
+    def __init__(self) -> None:
+        self.prefix = f"corral-test{TAG}"
+        self.ns = {k: f"{self.prefix}-{k}" for k in ("pkgs", "npm", "dns")}
+        self.veths = {k: f"ctn{TAG}{i}" for i, k in enumerate(("pkgs", "npm", "dns"), 1)}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.dir = Path(tempfile.mkdtemp(prefix="corral-nethosts-"))
+        self.dns_log = self.dir / "dns.log"
+
+    def __enter__(self) -> TestHosts:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self.close(quiet=True)  # leftovers of a crashed run
+        self.dir.mkdir(exist_ok=True)
+        for i, key in enumerate(("pkgs", "npm", "dns"), 1):
+            ns, veth = self.ns[key], self.veths[key]
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "addr", "add", f"10.250.{i}.1/24", "dev", veth)
+            _sh("ip", "link", "set", veth, "up")
+            Path(f"/proc/sys/net/ipv4/conf/{veth}/forwarding").write_text("1")
+            _sh("ip", "-n", ns, "addr", "add", f"10.250.{i}.2/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", ns, "route", "add", "default", "via", f"10.250.{i}.1")
+        # pkgs.test: /simple/tinypkg/ -> the wheel, /bulk -> BULK_SIZE bytes
+        root = self.dir / "pkgs"
+        (root / "simple" / "tinypkg").mkdir(parents=True)
+        (root / "packages").mkdir()
+        wheel = build_wheel(root / "packages")
+        sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        (root / "simple" / "index.html").write_text('<a href="tinypkg/">tinypkg</a>\n')
+        (root / "simple" / "tinypkg" / "index.html").write_text(
+            f'<a href="../../packages/{wheel.name}#sha256={sha}">{wheel.name}</a>\n'
+        )
+        with open(root / "bulk", "wb") as f:
+            f.truncate(BULK_SIZE)
+        npm = self.dir / "npm"
+        npm.mkdir()
+        (npm / "index.html").write_text("npm-test-secret\n")
+        self._serve("pkgs", PKGS_IP, root)
+        self._serve("npm", NPM_IP, npm)
+        script = self.dir / "dns.py"
+        script.write_text(_DNS_SERVER)
+        names = ",".join(f"{k}={v}" for k, v in NAMES.items())
+        self._spawn("dns", [sys.executable, str(script), DNS_IP, names, str(self.dns_log)])
+        self._wait_port(PKGS_IP, 80)
+        self._wait_port(NPM_IP, 80)
+        deadline = time.monotonic() + 10
+        while not self.dns_log.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+
+    def _spawn(self, key: str, argv: list[str]) -> None:
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[key], *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.procs.append(p)
+
+    def _serve(self, key: str, ip: str, root: Path) -> None:
+        self._spawn(
+            key,
+            [sys.executable, "-m", "http.server", "80", "--bind", ip, "--directory", str(root)],
+        )
+
+    @staticmethod
+    def _wait_port(ip: str, port: int) -> None:
+        import socket
+
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=0.5):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"test host {ip}:{port} did not come up")
+
+    def dns_queries(self) -> list[str]:
+        try:
+            return self.dns_log.read_text().splitlines()
+        except OSError:
+            return []
+
+    def close(self, quiet: bool = False) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.wait(timeout=5)
+        self.procs.clear()
+        for key in ("pkgs", "npm", "dns"):
+            subprocess.run(["ip", "link", "del", self.veths[key]], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.ns[key]], capture_output=True)
+        if not quiet:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self.dir.exists():
+            for child in self.dir.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
+
+
+def network_config(**kw: object):  # type: ignore[no-untyped-def]
+    """The node network of the tests: permissions for the test hosts only."""
+    from corral.policy.network import NetworkConfig, Permission
+
+    base: dict[str, object] = dict(
+        subnet="10.212.0.0/22",
+        upstream=[DNS_IP],
+        uplinks=[],  # the test hosts' veths have forwarding on already
+        deny_window=2.0,
+        permissions={
+            "pkgs": Permission(hosts=["pkgs.test"], ports=[80]),
+            "npm": Permission(hosts=["npm.test", "*.npm.test"], ports=[80]),
+            "pkgsip": Permission(cidrs=[f"{PKGS_IP}/32"], ports=[80]),
+        },
+    )
+    base.update(kw)
+    return NetworkConfig(**base)  # type: ignore[arg-type]
