@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -358,17 +359,33 @@ class Cgroups:
         """True if the cgroup exists (in the memory hierarchy, or in the v2 tree)."""
         return self._dir("memory", name).is_dir()
 
+    def control_file(self, ctrl: str, name: str, filename: str) -> Path:
+        """Path of one control file of cgroup ``name`` (``ctrl`` ignored on v2), for
+        callers that read it at a high rate (keep an fd, ``os.pread`` it)."""
+        return self._dir(ctrl, name) / filename
+
     # -- freezing ---------------------------------------------------------------------
 
-    def freeze(self, name: str, timeout: float = 5.0) -> None:
-        """Freeze every task of the cgroup and wait until the kernel reports it frozen."""
-        self._set_frozen(name, True, timeout)
+    def freeze(
+        self, name: str, timeout: float = 5.0, abort: Callable[[], bool] | None = None
+    ) -> None:
+        """Freeze every task of the cgroup and wait until the kernel reports it frozen;
+        stop waiting (without error) once ``abort()`` is true, e.g. a thaw is wanted."""
+        self._set_frozen(name, True, timeout, abort)
 
     def thaw(self, name: str, timeout: float = 5.0) -> None:
         """Thaw the cgroup."""
         self._set_frozen(name, False, timeout)
 
-    def _set_frozen(self, name: str, frozen: bool, timeout: float) -> None:
+    def is_frozen(self, name: str) -> bool:
+        """True if the kernel reports the cgroup frozen."""
+        if self.mode == "v2":
+            return self._keyed(self._read(self._dir("", name) / "cgroup.events"), "frozen") == 1
+        return self._read(self._dir("freezer", name) / "freezer.state").strip() == "FROZEN"
+
+    def _set_frozen(
+        self, name: str, frozen: bool, timeout: float, abort: Callable[[], bool] | None = None
+    ) -> None:
         if self.mode == "v2":
             d = self._dir("", name)
             self._write(d / "cgroup.freeze", "1" if frozen else "0")
@@ -380,11 +397,127 @@ class Cgroups:
             done = lambda: self._read(d / "freezer.state").strip() == want  # noqa: E731
         deadline = time.monotonic() + timeout
         while not done():
+            if abort is not None and abort():
+                return
             if time.monotonic() > deadline:
                 raise HostError(
                     f"cgroups: {name} not {'frozen' if frozen else 'thawed'} after {timeout:g}s"
                 )
             time.sleep(0.001)
+
+    # -- memory reclaim and cpu class (pause, QoS) -----------------------------------
+
+    def memory_usage(self, name: str) -> tuple[int, int]:
+        """(bytes resident in RAM, bytes in swap) charged to the cgroup."""
+        if self.mode == "v2":
+            d = self._dir("", name)
+            swap = d / "memory.swap.current"
+            return int(self._read(d / "memory.current")), (
+                int(self._read(swap)) if swap.exists() else 0
+            )
+        d = self._dir("memory", name)
+        stat = self._read(d / "memory.stat")
+        return int(self._read(d / "memory.usage_in_bytes")), self._keyed(stat, "total_swap")
+
+    def memory_breakdown(self, name: str) -> dict[str, int]:
+        """Bytes charged to the cgroup by kind: ``anon``, ``file`` (page cache), ``kernel``
+        (slab, page tables, ...: the rest of the charge), ``swap``."""
+        resident, swapped = self.memory_usage(name)
+        if self.mode == "v2":
+            stat = self._read(self._dir("", name) / "memory.stat")
+            anon, file = self._keyed(stat, "anon"), self._keyed(stat, "file")
+        else:
+            stat = self._read(self._dir("memory", name) / "memory.stat")
+            anon, file = self._keyed(stat, "total_rss"), self._keyed(stat, "total_cache")
+        return {
+            "anon": anon,
+            "file": file,
+            "kernel": max(0, resident - anon - file),
+            "swap": swapped,
+        }
+
+    def reclaim(self, name: str, stop: Callable[[], bool], step: int = 64 << 20) -> None:
+        """Push the cgroup's memory out to swap (and drop its page cache) in ``step``-sized
+        bites until the kernel can free no more or ``stop()`` is true. Meant for a frozen
+        cgroup: its tasks do not touch their pages, so they stay out after the limits are
+        restored. Blocks (call it from a thread).
+
+        v2: ``memory.reclaim`` with swap allowed for the duration. v1 has no reclaim file:
+        the memory limit is lowered below the usage (the kernel reclaims to meet it, or
+        gives up with EBUSY), then restored; swappiness is raised meanwhile so anonymous
+        memory goes, not only page cache."""
+        if self.mode == "v2":
+            self._reclaim_v2(name, stop, step)
+        else:
+            self._reclaim_v1(name, stop, step)
+
+    def _reclaim_v1(self, name: str, stop: Callable[[], bool], step: int) -> None:
+        d = self._dir("memory", name)
+        limit_file, swappiness = d / "memory.limit_in_bytes", d / "memory.swappiness"
+        old_limit, old_swappiness = self._read(limit_file).strip(), self._read(swappiness).strip()
+        for v in ("200", "100"):  # 200 since Linux 5.8
+            try:
+                self._write(swappiness, v)
+                break
+            except HostError:
+                continue
+        try:
+            while not stop():
+                usage = int(self._read(d / "memory.usage_in_bytes"))
+                target = max(0, usage - step)
+                try:
+                    self._write(limit_file, str(target))
+                except HostError:
+                    break  # EBUSY: the kernel found nothing more it could reclaim
+                if target == 0:
+                    break
+        finally:
+            self._write(limit_file, old_limit)
+            self._write(swappiness, old_swappiness)
+
+    def _reclaim_v2(self, name: str, stop: Callable[[], bool], step: int) -> None:
+        d = self._dir("", name)
+        swap_max = d / "memory.swap.max"
+        old_swap = self._read(swap_max).strip() if swap_max.exists() else None
+        if old_swap is not None:
+            self._write(swap_max, "max")
+        try:
+            arg = f"{step} swappiness=200"
+            while not stop():
+                try:
+                    self._write(d / "memory.reclaim", arg)
+                except HostError as e:
+                    if "Invalid argument" in e.message and "swappiness" in arg:
+                        arg = str(step)  # a kernel before 6.7: no swappiness key
+                        continue
+                    break  # EAGAIN: nothing more to reclaim
+        finally:
+            if old_swap is not None:
+                self._write(swap_max, old_swap)
+
+    def set_cpu_class(self, name: str, best_effort: bool) -> None:
+        """Best effort: the cgroup runs only when nothing else wants the CPU (``cpu.idle``,
+        i.e. SCHED_IDLE for the whole group; minimum weight where the kernel lacks it).
+        Otherwise the normal weight."""
+        d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
+        idle = d / "cpu.idle"
+        if idle.exists():
+            self._write(idle, "1" if best_effort else "0")
+            if best_effort:
+                return
+        if self.mode == "v2":
+            self._write(d / "cpu.weight", "1" if best_effort else "100")
+        else:
+            self._write(d / "cpu.shares", "2" if best_effort else "1024")
+
+    def cpu_class(self, name: str) -> dict[str, int]:
+        """The cgroup's cpu scheduling knobs: ``idle`` (if the kernel has it) and
+        ``weight`` (v2 cpu.weight, or v1 cpu.shares)."""
+        d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
+        out = {"weight": int(self._read(d / ("cpu.weight" if self.mode == "v2" else "cpu.shares")))}
+        if (d / "cpu.idle").exists():
+            out["idle"] = int(self._read(d / "cpu.idle"))
+        return out
 
     # -- cleanup ----------------------------------------------------------------------
 

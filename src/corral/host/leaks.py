@@ -85,6 +85,27 @@ def _procs(subtree: str) -> list[str]:
     return out
 
 
+def _swap(state_dir: Path, prefixes: list[Path]) -> list[str]:
+    """Swap areas on: a file below corral's dirs, or a zram device the node recorded."""
+    try:
+        with open("/proc/swaps") as f:
+            on = [ln.split()[0] for ln in list(f)[1:]]
+    except OSError:
+        return []
+    recorded: set[str] = set()
+    try:
+        recorded = {d["path"] for d in json.loads((state_dir / "swap.json").read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    out = []
+    for path in on:
+        if any(path.startswith(str(p) + "/") for p in prefixes):
+            out.append(path)
+        elif path in recorded:
+            out.append(f"{path} (recorded in {state_dir / 'swap.json'})")
+    return out
+
+
 def _zombie(pid: str) -> bool:
     """A zombie is dead and holds nothing but its pid until its parent (after a sandbox
     destroy: the host's init, which reaps in its own time) collects it."""
@@ -107,6 +128,7 @@ def scan(
         "containers": _containers([run_dir / "runc", run_dir / "crun"]),
         "netns": _netns(netns_prefix),
         "processes": _procs(subtree),
+        "swap": _swap(state_dir, prefixes),
     }
 
 

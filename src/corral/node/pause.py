@@ -1,0 +1,375 @@
+"""Pause and resume of sandboxes, and the swap a node adds for them.
+
+Pause = freeze every process of the sandbox (cgroup freezer) and push its memory out to
+swap (:meth:`Cgroups.reclaim`); the limits are restored right away, and frozen tasks do not
+fault their pages back in. Resume = thaw; pages come back on first touch (no prefetch: a
+resumed agent usually touches a small part of what it had, and reading it all back would
+cost every resume the full swap-in). Any request to a paused sandbox resumes it first
+(:meth:`Pauser.wake`, called from the node's request choke point), so a paused sandbox is
+only slower on its first request, never broken.
+
+States: ``running`` -> ``pausing`` (frozen, reclaim running) -> ``paused``; ``paused`` ->
+``resuming`` -> ``running``. A pause first lets requests already in flight finish (up to
+:data:`PAUSE_GRACE`); a request that arrives during ``pausing`` stops the pause, which
+thaws the sandbox as soon as its memory limit is restored (the request waits until then).
+
+For other parts of the node that need a sandbox still for a moment (snapshots, forks)::
+
+    async with node.pauser.frozen(sandbox_id):
+        ...   # every process of the sandbox is frozen here (already paused: stays so)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from corral.errors import Conflict, CorralError, HostError, InvalidRequest
+from corral.host import swap as swapmod
+from corral.host.cgroups import Cgroups
+from corral.spec import SandboxInfo
+
+if TYPE_CHECKING:
+    from corral.node.config import SwapConfig
+
+__all__ = ["Pauser", "NodeSwap"]
+
+log = logging.getLogger("corral.node.pause")
+
+_PAUSABLE = ("running",)
+PAUSE_GRACE = 10.0
+"""Seconds a pause waits for requests already in flight before it freezes anyway."""
+_ASLEEP = ("pausing", "paused")
+
+
+class NodeSwap:
+    """The swap area a node adds (per its config) and removes; recorded in the state dir so
+    that a node that crashed removes it on its next teardown or gc."""
+
+    def __init__(self, config: SwapConfig, state_dir: Path) -> None:
+        self.config = config
+        self.record = swapmod.SwapRecord(state_dir / "swap.json")
+        self.file = config.path or state_dir / "swap" / "corral.swap"
+        self.devices: list[swapmod.SwapDevice] = []
+
+    def setup(self) -> None:
+        """Add the configured swap, unless what an earlier run added is still on."""
+        on = swapmod.active()
+        kept = [d for d in self.record.load() if d.path in on]
+        stale = [d for d in self.record.load() if d.path not in on]
+        for d in stale:  # half-removed by a crash (zram device or file without swapon)
+            swapmod.remove(d)
+        if kept or self.config.kind == "none":
+            self.devices = kept
+            if kept:
+                self.record.save(kept)
+            else:
+                self.record.clear()
+            return
+        if self.config.kind == "zram":
+            dev = swapmod.add_zram(self.config.size)
+        else:
+            dev = swapmod.add_file(self.file, self.config.size)
+        self.devices = [dev]
+        self.record.save(self.devices)
+
+    def teardown(self) -> None:
+        """swapoff and remove what this node added (pages in it come back to RAM first)."""
+        for d in self.record.load() or self.devices:
+            swapmod.remove(d)
+        self.devices = []
+        self.record.clear()
+        if self.config.path is None:
+            with contextlib.suppress(OSError):
+                self.file.parent.rmdir()
+
+    def paths(self) -> list[str]:
+        return [d.path for d in self.devices]
+
+    def zram_compressed(self) -> int:
+        """RAM taken by this node's zram devices (their compressed pages), in bytes."""
+        return sum(swapmod.zram_stats(d).get("mem_used", 0) for d in self.devices)
+
+
+class Pauser:
+    """Pauses and resumes the sandboxes of one node; the node keeps the states.
+
+    ``get``/``put`` read and write the node's SandboxInfo (live dict + state db) and
+    ``event`` records an event; so this class owns no state but the running reclaims.
+    """
+
+    def __init__(
+        self,
+        cgroups: Cgroups,
+        get: Callable[[str], SandboxInfo | None],
+        put: Callable[[SandboxInfo], None],
+        event: Callable[[str, str, dict[str, Any]], object],
+        busy: Callable[[str], bool] = lambda _: False,
+    ) -> None:
+        self.cgroups = cgroups
+        self._get, self._put, self._event, self._busy = get, put, event, busy
+        self._stops: dict[str, threading.Event] = {}
+        self._tasks: dict[str, asyncio.Future[SandboxInfo]] = {}
+        self._held: dict[str, int] = {}
+        self._wake_pending: set[str] = set()
+        self._fz: dict[str, threading.Lock] = {}
+        # Reclaim blocks in the kernel for up to a second per sandbox: its own threads, so a
+        # job-wide pause of thousands never starves the node's other thread work (files).
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="corral-reclaim")
+
+    async def close(self) -> None:
+        """Cut reclaims in progress short (their sandboxes end up paused, just less
+        reclaimed) and wait for them."""
+        for ev in list(self._stops.values()):
+            ev.set()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+        self._pool.shutdown(wait=False)
+
+    def _lock(self, sid: str) -> threading.Lock:
+        lock = self._fz.get(sid)
+        if lock is None:
+            lock = self._fz[sid] = threading.Lock()
+        return lock
+
+    def _freeze(self, sid: str, stop: threading.Event | None = None) -> None:
+        """Freeze, unless (or until) ``stop`` is set. Freezer writes of one sandbox are
+        serialized: a thaw racing a freeze's wait would otherwise leave either waiting for
+        a state that never comes, or the sandbox frozen after its thaw."""
+        with self._lock(sid):
+            if stop is None or not stop.is_set():
+                self.cgroups.freeze(sid, abort=None if stop is None else stop.is_set)
+
+    def _thaw(self, sid: str) -> None:
+        with self._lock(sid):  # a freeze in progress gives way within ~1 ms (its stop)
+            self.cgroups.thaw(sid)
+
+    def _set(self, info: SandboxInfo, state: str) -> SandboxInfo:
+        info = info.model_copy(update={"state": state})
+        self._put(info)
+        return info
+
+    # ------------------------------------------------------------------ pause
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze and reclaim; returns the sandbox as ``paused`` (or as a concurrent
+        request left it: ``running`` when one resumed it meanwhile)."""
+        running = self._tasks.get(sandbox_id)
+        if running is not None:
+            return await asyncio.shield(running)
+        info = self._get(sandbox_id)
+        assert info is not None
+        if info.state == "paused":
+            return info
+        if info.state not in _PAUSABLE:
+            raise Conflict(f"sandbox {sandbox_id} is {info.state}; only a running one pauses")
+        task = asyncio.ensure_future(self._pause(info))
+        self._tasks[sandbox_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(sandbox_id, None))
+        # Once started, a pause runs to its end (or until a request stops it): a caller
+        # that goes away must not leave a sandbox frozen with its state saying running.
+        return await asyncio.shield(task)
+
+    async def _pause(self, info: SandboxInfo) -> SandboxInfo:
+        sid = info.id
+        loop = asyncio.get_running_loop()
+        stop = self._stops[sid] = threading.Event()
+        t0 = time.monotonic()
+        before = self._usage(sid)
+        info = self._set(info, "pausing")
+        frozen_ms = 0.0
+        # Requests already in flight (an exec sent a moment before the pause) finish first,
+        # up to PAUSE_GRACE; new ones stop the pause (wake). Past the grace the sandbox is
+        # frozen anyway: a long exec then waits for the resume.
+        deadline = time.monotonic() + PAUSE_GRACE
+        while self._busy(sid) and not stop.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        try:
+            await loop.run_in_executor(self._pool, self._freeze, sid, stop)
+            frozen_ms = (time.monotonic() - t0) * 1000
+            if not stop.is_set():
+                await loop.run_in_executor(self._pool, self._reclaim, sid, stop)
+        except BaseException:
+            cur = self._get(sid)
+            if cur is not None and cur.state in ("pausing", "resuming"):
+                with contextlib.suppress(CorralError):
+                    self._thaw(sid)
+                self._set(cur, "running")
+            raise
+        finally:
+            if self._stops.get(sid) is stop:
+                del self._stops[sid]
+        cur = self._get(sid)
+        if cur is not None and cur.state == "resuming":
+            # A request came meanwhile (wake() stopped us): thaw only now that the reclaim
+            # has given the memory limit back, or the sandbox would thrash against it.
+            return self._finish_wake(cur, t0, transparent=True)
+        if cur is None or cur.state != "pausing":
+            return cur or info  # destroyed meanwhile
+        resident, swapped = self._usage(sid)
+        cur = self._set(cur, "paused")
+        self._event(
+            sid,
+            "paused",
+            {
+                "ms": round((time.monotonic() - t0) * 1000, 1),
+                "freeze_ms": round(frozen_ms, 1),
+                "resident_before": before[0],
+                "resident": resident,
+                "swapped": swapped,
+            },
+        )
+        return cur
+
+    def _reclaim(self, sid: str, stop: threading.Event) -> None:
+        try:
+            self.cgroups.reclaim(sid, stop.is_set)
+        except HostError as e:
+            # Frozen but not reclaimed is still paused; a destroyed cgroup ends up here too.
+            log.warning("reclaim of %s stopped: %s", sid, e.message)
+
+    def _usage(self, sid: str) -> tuple[int, int]:
+        try:
+            return self.cgroups.memory_usage(sid)
+        except CorralError:
+            return 0, 0
+
+    # ------------------------------------------------------------------ resume
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox (a running one is returned as it is); one being paused is
+        stopped and thawed, and returned once it runs."""
+        info = self._get(sandbox_id)
+        assert info is not None
+        if info.state == "running":
+            return info
+        if info.state not in (*_ASLEEP, "resuming"):
+            raise Conflict(f"sandbox {sandbox_id} is {info.state}; only a paused one resumes")
+        info = self.wake(sandbox_id, transparent=False)
+        task = self._tasks.get(sandbox_id)
+        if task is not None:
+            return await asyncio.shield(task)
+        return info
+
+    def wake(self, sandbox_id: str, transparent: bool = True) -> SandboxInfo:
+        """For a request that arrived at a paused or pausing sandbox. Paused: thaw now
+        (synchronously: a freezer write, ~1 ms). Pausing: stop the freeze or reclaim and
+        leave the state ``resuming``; the pause task thaws as soon as the memory limit is
+        back (the request meanwhile waits on the frozen processes, like in a frozen()
+        block)."""
+        info = self._get(sandbox_id)
+        assert info is not None
+        if info.state not in _ASLEEP:
+            return info
+        if self._held.get(sandbox_id):
+            self._wake_pending.add(sandbox_id)  # woken when the frozen() block ends
+            return info
+        stop = self._stops.get(sandbox_id)
+        if info.state == "pausing" and stop is not None:
+            stop.set()
+            return self._set(info, "resuming")
+        t0 = time.monotonic()
+        info = self._set(info, "resuming")
+        try:
+            self._thaw(sandbox_id)
+        except BaseException:
+            self._set(info, "paused")
+            raise
+        return self._finish_wake(info, t0, transparent, thaw=False)
+
+    def _finish_wake(
+        self, info: SandboxInfo, t0: float, transparent: bool, thaw: bool = True
+    ) -> SandboxInfo:
+        if thaw:  # also a freeze stopped half-way (FREEZING) must be thawed
+            self._thaw(info.id)
+        info = self._set(info, "running")
+        self._event(
+            info.id,
+            "resumed",
+            {"ms": round((time.monotonic() - t0) * 1000, 2), "transparent": transparent},
+        )
+        return info
+
+    # ------------------------------------------------------------------ jobs
+    async def pause_many(self, infos: list[SandboxInfo]) -> list[SandboxInfo]:
+        """Pause all of ``infos`` concurrently; returns those now paused."""
+        got = await asyncio.gather(
+            *(self.pause(i.id) for i in infos if i.state in ("running", "pausing", "paused")),
+            return_exceptions=True,
+        )
+        return [g for g in got if isinstance(g, SandboxInfo) and g.state == "paused"]
+
+    async def resume_many(self, infos: list[SandboxInfo]) -> list[SandboxInfo]:
+        """Resume all of ``infos`` that are paused (or being paused); returns those resumed."""
+        got = await asyncio.gather(
+            *(self.resume(i.id) for i in infos if i.state in (*_ASLEEP, "resuming")),
+            return_exceptions=True,
+        )
+        return [g for g in got if isinstance(g, SandboxInfo) and g.state == "running"]
+
+    # ------------------------------------------------------------------ for other parts
+    @contextlib.asynccontextmanager
+    async def frozen(self, sandbox_id: str) -> AsyncIterator[None]:
+        """Hold the sandbox's processes frozen for the block (e.g. to copy its writable
+        layer consistently). A paused sandbox stays paused; requests arriving meanwhile do
+        not thaw it early (they wait on the frozen processes until the block ends)."""
+        info = self._get(sandbox_id)
+        if info is None:
+            raise InvalidRequest(f"no sandbox {sandbox_id}")
+        self._held[sandbox_id] = self._held.get(sandbox_id, 0) + 1
+        thaw = info.state not in _ASLEEP
+        try:
+            if thaw:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._freeze, sandbox_id
+                )
+            yield
+        finally:
+            n = self._held.pop(sandbox_id, 1) - 1
+            if n:
+                self._held[sandbox_id] = n
+            else:
+                wanted = sandbox_id in self._wake_pending
+                self._wake_pending.discard(sandbox_id)
+                cur = self._get(sandbox_id)
+                with contextlib.suppress(CorralError):
+                    if cur is not None and cur.state in _ASLEEP:
+                        if wanted:  # a request came for the paused sandbox meanwhile
+                            self.wake(sandbox_id)
+                    elif cur is not None and thaw:
+                        self._thaw(sandbox_id)
+
+    def recovered(self, info: SandboxInfo) -> SandboxInfo:
+        """After an agent restart: a sandbox caught mid-pause or mid-resume gets its memory
+        limit back (a reclaim cut short may have left it squeezed) and runs; a paused one
+        stays paused if its cgroup is still frozen."""
+        if info.state == "paused" and self._is_frozen(info.id):
+            return info
+        if info.state in ("pausing", "resuming", "paused"):
+            with contextlib.suppress(CorralError):
+                self.cgroups.set_memory(info.id, info.spec.limits.memory, 0)
+                self.cgroups.thaw(info.id)
+            return self._set(info, "running")
+        return info
+
+    def _is_frozen(self, sid: str) -> bool:
+        try:
+            return self.cgroups.is_frozen(sid)
+        except CorralError:
+            return False
+
+    def held(self, sandbox_id: str) -> bool:
+        """True while a :meth:`frozen` block holds the sandbox."""
+        return bool(self._held.get(sandbox_id))
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is being destroyed: stop its freeze or reclaim."""
+        stop = self._stops.get(sandbox_id)
+        if stop is not None:
+            stop.set()
+        self._fz.pop(sandbox_id, None)
