@@ -199,24 +199,38 @@ class LayerStore:
         source: str = "",
         meta: dict[str, str] | None = None,
         progress: Progress | None = None,
+        compress: str | None = "store",
     ) -> LayerInfo:
         """Build an EROFS layer from the tree at ``src`` and add it (deduplicated by digest).
 
         Owners, modes, mtimes, links, xattrs and overlay whiteouts of ``src`` are kept.
+        ``compress``: ``"store"`` (the store's setting), or what ``erofs.mkfs`` takes.
         """
         src = Path(src)
         if not src.is_dir():
             raise BuildError(f"cannot build a layer from {src}: not a directory")
+        level = self.compress if compress == "store" else compress
         tmp = self._tmp_path(".erofs")
         try:
             with Step(progress, f"mkfs.erofs {src.name or src}"):
-                erofs.mkfs(src, tmp, compress=self.compress)
+                erofs.mkfs(src, tmp, compress=level)
             with Step(progress, "sha256", total=tmp.stat().st_size) as step:
                 digest = _hash_file(tmp, step)
-            meta = {"compression": self.compress or "none", **(meta or {})}
-            return self._adopt(tmp, digest, kind=kind, source=source, meta=meta)
+            meta = {"compression": level or "none", **(meta or {})}
+            built = tmp.stat()
+            info = self._adopt(tmp, digest, kind=kind, source=source, meta=meta)
+            self._hashed(digest, built)
+            return info
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _hashed(self, digest: str, built: os.stat_result) -> None:
+        """Remember as verified a layer file this store just hashed, if the file in place
+        is that very inode (a concurrent builder's file is checked on first use)."""
+        st = self._layer_paths(digest)[0].stat()
+        if (st.st_dev, st.st_ino) == (built.st_dev, built.st_ino):
+            with self._lock:
+                self._verified[digest] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def add_file(
         self,
