@@ -34,6 +34,13 @@ from corral.errors import (
 )
 from corral.sdk import AsyncClient, Client, Process, Sandbox, Shell
 from corral.spec import (
+    CallLimits,
+    CallRequest,
+    CallResult,
+    Case,
+    CaseResult,
+    CustomChecker,
+    JudgeResult,
     Event,
     ExecChunk,
     ExecResult,
@@ -41,6 +48,7 @@ from corral.spec import (
     ImageInfo,
     LayerInfo,
     Limits,
+    NetworkPolicy,
     NodeStatus,
     ProcessInfo,
     SandboxInfo,
@@ -62,6 +70,7 @@ __all__ = [
     "Process",
     # models
     "Limits",
+    "NetworkPolicy",
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",
@@ -72,6 +81,14 @@ __all__ = [
     "FileStat",
     "Event",
     "NodeStatus",
+    # fncall models
+    "CallLimits",
+    "CallRequest",
+    "CallResult",
+    "Case",
+    "CaseResult",
+    "CustomChecker",
+    "JudgeResult",
     # errors
     "CorralError",
     "InvalidRequest",

@@ -11,11 +11,17 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from corral.spec import (
+    CallRequest,
+    CallResult,
+    JudgeRequest,
+    JudgeResult,
     Event,
+    EventSummary,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     ImageInfo,
     LayerInfo,
     NodeStatus,
@@ -43,6 +49,35 @@ class NodeOps(Protocol):
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo: ...
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
     async def sandbox_destroy(self, sandbox_id: str) -> None: ...
+
+    # pause / resume (state kept; any request to a paused sandbox resumes it)
+    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo: ...
+    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo: ...
+    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """Pause every sandbox carrying all of ``labels``; returns those now paused."""
+        ...
+
+    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """Resume every paused sandbox carrying all of ``labels``; returns those resumed."""
+        ...
+
+    # network policy
+    async def network_update(
+        self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
+    ) -> SandboxInfo:
+        """Replace the sandbox's egress allow/deny lists (None keeps one); effective on
+        return, its processes untouched. Returns the sandbox with its new policy."""
+        ...
+
+    # snapshots and forks (filesystem state; processes are not cloned)
+    async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
+        """Pack the sandbox's filesystem changes into a new layer; returns the new image
+        (the source image's layers + that layer)."""
+        ...
+
+    async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        """``req.count`` new sandboxes from the sandbox's current files (all or nothing)."""
+        ...
 
     # exec
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
@@ -95,7 +130,21 @@ class NodeOps(Protocol):
 
     # events and node
     async def events(
-        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+        self,
+        sandbox_id: str | None = None,
+        since_id: int = 0,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
     ) -> list[Event]: ...
+    async def events_summary(
+        self,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> EventSummary: ...
     async def node_status(self) -> NodeStatus: ...
+
+    # fncall: short calls in warm pool sandboxes
+    async def fncall_run(self, req: CallRequest) -> CallResult: ...
+    async def fncall_judge(self, req: JudgeRequest) -> JudgeResult: ...
     async def close(self) -> None: ...

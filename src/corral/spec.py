@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 __all__ = [
     "ByteSize",
     "Limits",
+    "NetworkPolicy",
     "SandboxSpec",
     "SandboxState",
     "SandboxInfo",
@@ -33,10 +34,22 @@ __all__ = [
     "LayerInfo",
     "ImageInfo",
     "Event",
+    "EventSummary",
     "NodeStatus",
     "parse_bytes",
     "SANDBOX_ID_RE",
     "validation_message",
+    "ForkRequest",
+    "CallStatus",
+    "Verdict",
+    "CallLimits",
+    "CallRequest",
+    "CallResult",
+    "Case",
+    "CustomChecker",
+    "JudgeRequest",
+    "CaseResult",
+    "JudgeResult",
 ]
 
 _UNITS = {
@@ -120,6 +133,24 @@ class Limits(_Model):
     """Default cap per exec output stream (stdout, stderr each)."""
 
 
+class NetworkPolicy(_Model):
+    """Egress of a sandbox, by the names of the node's permissions (operator config).
+
+    Default: nothing (loopback only, no DNS). ``deny`` wins over ``allow`` for a name
+    both cover. Example: ``NetworkPolicy(allow=["pypi"], deny=["npm"])``."""
+
+    allow: list[str] = Field(default_factory=list, max_length=64)
+    deny: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for n in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", n):
+                raise ValueError(f"permission name {n[:70]!r} must be 1-64 of [A-Za-z0-9_.-]")
+        return list(dict.fromkeys(v))
+
+
 class SandboxSpec(_Model):
     """What to create."""
 
@@ -129,13 +160,41 @@ class SandboxSpec(_Model):
     ttl: float | None = Field(None, gt=0)
     """Seconds after creation at which the sandbox is destroyed."""
     idle_timeout: float | None = Field(None, gt=0)
-    """Seconds without a request after which the sandbox is destroyed."""
+    """Seconds without a request after which the sandbox is destroyed (a paused sandbox
+    is not: pausing is how an idle sandbox is kept; ``ttl`` still applies)."""
+    idle_pause: float | None = Field(None, gt=0)
+    """Seconds without a request after which the sandbox is paused (state kept; the next
+    request resumes it)."""
+    qos: Literal["best_effort", "latency"] = "best_effort"
+    """CPU class: ``best_effort`` runs on CPU time nobody else wants (SCHED_IDLE, idle
+    cgroup); ``latency`` gets the normal weight and SCHED_OTHER."""
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     """Environment added to every exec."""
     workdir: str = "/"
     """Default cwd of execs and shells."""
     hostname: str = Field("sandbox", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9.-]{0,62}$")
+    network: NetworkPolicy = Field(default_factory=NetworkPolicy)
+    """Egress allowlist by permission name; in SandboxInfo, the current policy (it changes
+    with ``sandbox.network.update``)."""
+    readonly_rootfs: bool = False
+    """Mount the root filesystem read-only (fncall pools: nothing a call does can persist
+    outside the ``tmpfs`` mounts)."""
+    tmpfs: dict[str, ByteSize] = Field(default_factory=dict)
+    """Private tmpfs mounts (path -> size, mode 1777), charged to the sandbox's memory.
+    The file API does not see into them (it works on the overlay)."""
+
+    @field_validator("tmpfs")
+    @classmethod
+    def _tmpfs(cls, v: dict[str, int]) -> dict[str, int]:
+        for path, size in v.items():
+            _check_abs_path(path, "tmpfs path")
+            parts = path.strip("/").split("/")
+            if ".." in parts or parts[0] in ("", "proc", "sys", "dev", ".corral"):
+                raise ValueError(f"tmpfs path {path!r} must be below / outside /proc, /sys, /dev")
+            if not (1 << 20) <= size <= (64 << 30):
+                raise ValueError(f"tmpfs {path!r}: size must be between 1MiB and 64GiB")
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -172,7 +231,15 @@ def _check_abs_path(v: str, what: str) -> str:
 
 
 SandboxState = Literal[
-    "creating", "running", "paused", "stopped", "destroying", "destroyed", "failed"
+    "creating",
+    "running",
+    "pausing",
+    "paused",
+    "resuming",
+    "stopped",
+    "destroying",
+    "destroyed",
+    "failed",
 ]
 
 
@@ -196,6 +263,12 @@ class SandboxInfo(_Model):
     pid: int | None = None
     """Host pid of the sandbox's init."""
     detail: str = ""
+    address: str | None = None
+    """The sandbox's IPv4 address on the node's network (None: no interface)."""
+    memory_resident: int | None = None
+    """Bytes of the sandbox's memory in RAM now (cgroup figure; set by ``get``)."""
+    memory_swapped: int | None = None
+    """Bytes of the sandbox's memory in swap now (cgroup figure; set by ``get``)."""
 
 
 ExitReason = Literal["exited", "signaled", "timeout", "oom", "output_limit"]
@@ -330,8 +403,22 @@ class Event(_Model):
     sandbox_id: str | None
     time: float
     kind: str
-    """e.g. ``created``, ``destroyed``, ``oom``, ``output_truncated``, ``file_refused``."""
+    """e.g. ``created``, ``destroyed``, ``oom``, ``output_truncated``, ``file_refused``,
+    ``seccomp`` (the security kinds: ``corral.node.security.SECURITY_KINDS``)."""
     detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    """Coalesced repeats carry ``count`` (and ``first``/``last`` times)."""
+
+
+class EventSummary(_Model):
+    """How often each kind of event happened, per sandbox and in total (e.g. for one job:
+    ``await client.events_summary(labels={"job": "rl-42"})``)."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """The label filter the summary was made for."""
+    sandboxes: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """Sandbox id -> kind -> occurrences (a coalesced event counts ``detail.count`` times)."""
+    totals: dict[str, int] = Field(default_factory=dict)
+    """Kind -> occurrences over all those sandboxes."""
 
 
 class NodeStatus(_Model):
@@ -346,3 +433,142 @@ class NodeStatus(_Model):
     mounted_layers: int
     mem_total: int
     mem_available: int
+    paused: int = 0
+    swap: list[str] = Field(default_factory=list)
+    """Swap areas this node added for paused sandboxes (``/dev/zramN`` or a file)."""
+    core_scheduling: bool = False
+    """Whether the kernel offers core scheduling (prctl PR_SCHED_CORE)."""
+    qos_detail: str = ""
+    checkpoint: bool = False
+    """Whether process checkpointing (CRIU) works here; corral never depends on it."""
+    checkpoint_detail: str = ""
+    """Why not, when it does not (``criu check``'s complaint, or CRIU is not installed)."""
+    landlock: int = 0
+    """The kernel's landlock ABI (0: none). From 6 on, guest commands run landlock-scoped
+    (no signals to or ptrace of PID 1, no abstract sockets made outside the sandbox)."""
+    landlock_detail: str = ""
+
+
+class ForkRequest(_Model):
+    """``Sandbox.fork``: how many children, and what differs from the parent's spec.
+
+    Every field left None is inherited from the parent (limits, labels, env, ttl and
+    idle timeout; a child's ttl counts from its own creation)."""
+
+    count: int = Field(1, ge=1, le=1000)
+    limits: Limits | None = None
+    labels: dict[str, str] | None = None
+    env: dict[str, str] | None = None
+    ttl: float | None = Field(None, gt=0)
+    idle_timeout: float | None = Field(None, gt=0)
+
+
+# --------------------------------------------------------------------------- fncall
+# Short function calls served from warm pools (corral.backends.fncall, node/fncall.py).
+
+CallStatus = Literal[
+    "ok", "runtime_error", "timeout", "memory_limit", "output_limit", "compile_error"
+]
+Verdict = Literal["AC", "WA", "TLE", "MLE", "RE", "OLE", "CE"]
+
+
+class CallLimits(_Model):
+    """Limits of one function call, enforced by the kernel (rlimits, the pool sandbox's
+    cgroup) and measured from the host."""
+
+    cpu_time: float = Field(2.0, gt=0, le=600)
+    """CPU seconds (RLIMIT_CPU in the call's process; cgroup CPU usage measured)."""
+    wall_time: float = Field(5.0, gt=0, le=3600)
+    """Wall-clock seconds; past it every process of the call is killed."""
+    memory: ByteSize = Field(256 << 20, ge=8 << 20, le=64 << 30)
+    """Memory of the call (cgroup limit); exceeding it is ``memory_limit``."""
+    output: ByteSize = Field(64 << 10, ge=0, le=64 << 20)
+    """Cap per stream (stdout, stderr each); exceeding it is ``output_limit``."""
+    processes: int = Field(32, ge=1, le=4096)
+    """Processes and threads of the call (RLIMIT_NPROC; the pool cgroup's pids limit)."""
+    file_size: ByteSize = Field(16 << 20, ge=0, le=1 << 30)
+    """Largest file the call may write (RLIMIT_FSIZE)."""
+
+
+class CallRequest(_Model):
+    """One short program to run in a warm pool sandbox."""
+
+    language: str = Field(min_length=1, max_length=32)
+    """A language of the image's pool: python, bash, c, cpp by default."""
+    code: str = Field(max_length=16 << 20)
+    stdin: str = Field("", max_length=64 << 20)
+    limits: CallLimits = Field(default_factory=CallLimits)
+    image: str | None = Field(None, min_length=1, max_length=300)
+    """Image of the pool; None: the node's ``fncall.default_image``."""
+
+
+class CallResult(_Model):
+    """How one call ended. Times and memory are kernel figures read from the host."""
+
+    status: CallStatus
+    stdout: str = ""
+    stderr: str = ""
+    """For ``compile_error``: the compiler's messages."""
+    exit_code: int | None = None
+    signal: int | None = None
+    cpu_time: float = 0.0
+    """CPU seconds charged to the pool sandbox's cgroup during the call."""
+    wall_time: float = 0.0
+    peak_memory: int = 0
+    """Peak bytes charged during the call, above the idle worker's own."""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Case(_Model):
+    """One test of a judge: input and expected output."""
+
+    stdin: str = ""
+    expected: str = ""
+
+
+class CustomChecker(_Model):
+    """A checker program, run as its own call in a separate pool sandbox (the submission
+    cannot reach it). Its stdin is JSON ``{"input", "expected", "output"}``; exit code 0
+    accepts, anything else is WA; its stdout becomes the case's message."""
+
+    language: str = "python"
+    code: str = Field(min_length=1, max_length=1 << 20)
+    limits: CallLimits = Field(default_factory=CallLimits)
+
+
+class JudgeRequest(_Model):
+    language: str = Field(min_length=1, max_length=32)
+    code: str = Field(max_length=16 << 20)
+    tests: list[Case] = Field(min_length=1, max_length=10000)
+    checker: Literal["exact", "tokens", "lines", "float"] | CustomChecker = "exact"
+    """exact: byte-identical; lines: trailing whitespace of lines and trailing empty lines
+    ignored; tokens: whitespace-insensitive; float: tokens, numbers within ``tolerance``."""
+    tolerance: float = Field(1e-6, ge=0)
+    """Absolute or relative tolerance of the ``float`` checker."""
+    limits: CallLimits = Field(default_factory=CallLimits)
+    image: str | None = Field(None, min_length=1, max_length=300)
+    stop_on_failure: bool = False
+    """Skip the remaining cases after the first that is not AC (they are not reported)."""
+
+
+class CaseResult(_Model):
+    verdict: Verdict
+    result: CallResult
+    message: str = ""
+
+
+class JudgeResult(_Model):
+    verdict: Verdict
+    """AC when every case is; else the first case's verdict that is not."""
+    cases: list[CaseResult] = Field(default_factory=list)
+    compile: CallResult | None = None
+    """The compile step of a compiled language (its stderr holds the compiler's messages)."""
+
+    @property
+    def passed(self) -> int:
+        return sum(1 for c in self.cases if c.verdict == "AC")

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import posixpath
 import re
@@ -30,6 +31,8 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+from pydantic import ValidationError
 
 from corral.errors import (
     Conflict,
@@ -43,18 +46,26 @@ from corral.errors import (
 )
 from corral.ops import NodeOps
 from corral.spec import (
+    CallRequest,
+    CallResult,
+    JudgeRequest,
+    JudgeResult,
     Event,
+    EventSummary,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     ImageInfo,
     LayerInfo,
+    NetworkPolicy,
     NodeStatus,
     ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
+    validation_message,
 )
 
 __all__ = ["FakeNode", "FakePty", "FakePtyExit"]
@@ -99,6 +110,13 @@ class _Sandbox:
     shells: dict[str, _Shell] = field(default_factory=dict)
 
 
+def _copy_fs(src: _Sandbox, dst: _Sandbox) -> _Sandbox:
+    """Copy the files of ``src`` into ``dst`` (snapshot and fork: files, not processes)."""
+    dst.files, dst.modes, dst.links = dict(src.files), dict(src.modes), dict(src.links)
+    dst.dirs = set(src.dirs)
+    return dst
+
+
 class _Run:
     """State of one fake command run: its output, cwd and env (shells keep the last two)."""
 
@@ -126,6 +144,7 @@ class FakeNode(NodeOps):
             _PY_LAYER: LayerInfo(digest=_PY_LAYER, size=4 << 20, kind="pip", created_at=now),
         }
         self._images: dict[str, ImageInfo] = {}
+        self._snapshots: dict[str, _Sandbox] = {}  # image digest -> files it restores
         for name, layers in (
             ("demo/base", [_BASE_LAYER]),
             ("demo/python", [_BASE_LAYER, _PY_LAYER]),
@@ -135,6 +154,8 @@ class FakeNode(NodeOps):
             )
         self._sandboxes: dict[str, _Sandbox] = {}
         self._events: list[Event] = []
+        self.network_permissions: set[str] = {"pkgs", "npm"}
+        """Permission names this fake node knows (a real node: its config)."""
         self._next_pid = 100
 
     # ---------------------------------------------------------------- images
@@ -172,8 +193,32 @@ class FakeNode(NodeOps):
         return list(self._layers.values())
 
     # ------------------------------------------------------------- lifecycle
+    def _check_permissions(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.network_permissions]
+        if unknown:
+            raise InvalidRequest(f"network: unknown permission {', '.join(map(repr, unknown))}")
+
+    async def network_update(
+        self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
+    ) -> SandboxInfo:
+        sb = self._sb(sandbox_id)
+        cur = sb.info.spec.network
+        try:
+            policy = NetworkPolicy(
+                allow=cur.allow if allow is None else allow, deny=cur.deny if deny is None else deny
+            )
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        self._check_permissions([*policy.allow, *policy.deny])
+        sb.info = sb.info.model_copy(
+            update={"spec": sb.info.spec.model_copy(update={"network": policy})}
+        )
+        self._event(sandbox_id, "network_updated", allow=",".join(policy.allow))
+        return sb.info
+
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         img = await self.image_get(spec.image)
+        self._check_permissions([*spec.network.allow, *spec.network.deny])
         now = time.time()
         info = SandboxInfo(
             id=_new_id("sb-"),
@@ -187,11 +232,13 @@ class FakeNode(NodeOps):
             expires_at=None if spec.ttl is None else now + spec.ttl,
         )
         self._sandboxes[info.id] = _Sandbox(info=info)
+        if img.digest in self._snapshots:
+            _copy_fs(self._snapshots[img.digest], self._sandboxes[info.id])
         self._event(info.id, "created", image=spec.image)
         return info
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
-        return self._sb(sandbox_id).info
+        return self._sb(sandbox_id, wake=False).info
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         want = labels or {}
@@ -201,8 +248,69 @@ class FakeNode(NodeOps):
             if all(s.info.spec.labels.get(k) == v for k, v in want.items())
         ]
 
+    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._sb(sandbox_id, wake=False)
+        if sb.info.state != "paused":
+            sb.info = sb.info.model_copy(update={"state": "paused"})
+            self._event(sandbox_id, "paused")
+        return sb.info
+
+    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._sb(sandbox_id, wake=False)
+        if sb.info.state == "paused":
+            sb.info = sb.info.model_copy(update={"state": "running"})
+            self._event(sandbox_id, "resumed", transparent="false")
+        return sb.info
+
+    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        if not labels:
+            raise InvalidRequest("labels: name at least one label (e.g. job=...) to pause by")
+        return [await self.sandbox_pause(i.id) for i in await self.sandbox_list(labels)]
+
+    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        if not labels:
+            raise InvalidRequest("labels: name at least one label (e.g. job=...) to resume by")
+        paused = [i for i in await self.sandbox_list(labels) if i.state == "paused"]
+        return [await self.sandbox_resume(i.id) for i in paused]
+
+    async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
+        sb = self._sb(sandbox_id, wake=False)
+        content = repr(sorted(sb.files.items())) + repr(sorted(sb.links.items()))
+        layer = "sha256:" + hashlib.sha256(content.encode()).hexdigest()
+        self._layers[layer] = LayerInfo(digest=layer, size=len(content), kind="snapshot")
+        base = self._images_by_digest(sb.info.image_digest)
+        from corral.images.store import check_image_name
+
+        img = await self.image_compose(
+            check_image_name(name) if name else f"snapshot/{sandbox_id}:{len(self._snapshots)}",
+            [*(base.layers if base else []), layer],
+            env=dict(base.env) if base else {},
+            workdir=sb.info.spec.workdir,
+        )
+        self._snapshots[img.digest] = _copy_fs(sb, _Sandbox(info=sb.info))
+        self._event(sandbox_id, "snapshot", image=img.name)
+        return img
+
+    async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        sb = self._sb(sandbox_id, wake=False)
+        over = {k: v for k, v in req.model_dump(exclude={"count"}).items() if v is not None}
+        try:
+            spec = SandboxSpec.model_validate({**sb.info.spec.model_dump(), **over})
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        out = []
+        for _ in range(req.count):
+            info = await self.sandbox_create(spec)
+            _copy_fs(sb, self._sandboxes[info.id])
+            out.append(info)
+        self._event(sandbox_id, "forked", count=str(req.count))
+        return out
+
+    def _images_by_digest(self, digest: str) -> ImageInfo | None:
+        return next((i for i in self._images.values() if i.digest == digest), None)
+
     async def sandbox_destroy(self, sandbox_id: str) -> None:
-        sb = self._sb(sandbox_id)
+        sb = self._sb(sandbox_id, wake=False)
         for p in sb.procs.values():
             p.task.cancel()
         del self._sandboxes[sandbox_id]
@@ -462,7 +570,11 @@ class FakeNode(NodeOps):
 
     # ------------------------------------------------------- events and node
     async def events(
-        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+        self,
+        sandbox_id: str | None = None,
+        since_id: int = 0,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
     ) -> list[Event]:
         ids = None if labels is None else {s.id for s in await self.sandbox_list(labels)}
         return [
@@ -471,7 +583,89 @@ class FakeNode(NodeOps):
             if e.id > since_id
             and (sandbox_id is None or e.sandbox_id == sandbox_id)
             and (ids is None or e.sandbox_id in ids)
+            and (not kinds or e.kind in kinds)
         ]
+
+    async def events_summary(
+        self,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> EventSummary:
+        out = EventSummary(labels=dict(labels or {}))
+        for e in await self.events(sandbox_id=sandbox_id, labels=labels, kinds=kinds):
+            if e.sandbox_id is None:
+                continue
+            n = e.detail.get("count")
+            n = n if isinstance(n, int) else 1
+            per = out.sandboxes.setdefault(e.sandbox_id, {})
+            per[e.kind] = per.get(e.kind, 0) + n
+            out.totals[e.kind] = out.totals.get(e.kind, 0) + n
+        return out
+
+    def record_event(self, sandbox_id: str | None, kind: str, **detail: str | int) -> None:
+        """Add an event as the node would (tests of event consumers: summaries, the CLI)."""
+        self._event(sandbox_id, kind, **detail)  # type: ignore[arg-type]
+
+    # fncall: only bash, run by the fake shell in a throwaway fake sandbox per call
+    async def fncall_run(self, req: CallRequest) -> CallResult:
+        if req.language != "bash":
+            raise InvalidRequest(
+                f"language: FakeNode runs only 'bash' calls (its fake shell), not {req.language!r}"
+            )
+        now = time.time()
+        spec = SandboxSpec(image=req.image or "fake/fncall")
+        sb = _Sandbox(
+            info=SandboxInfo(
+                id=_new_id("sb-"),
+                state="running",
+                image=spec.image,
+                image_digest="",
+                spec=spec,
+                created_at=now,
+                last_active_at=now,
+                runtime="fake",
+            )
+        )
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        r = await self._execute(
+            sb,
+            ExecRequest(
+                cmd=["sh", "-c", req.code], stdin=req.stdin.encode(), timeout=req.limits.wall_time
+            ),
+            lambda s, d: out[s].extend(d),
+        )
+        cap = req.limits.output
+        if len(out["stdout"]) > cap or len(out["stderr"]) > cap:
+            status = "output_limit"
+        elif r.reason == "timeout":
+            status = "timeout"
+        else:
+            status = "ok" if r.exit_code == 0 else "runtime_error"
+        return CallResult(
+            status=status,  # type: ignore[arg-type]
+            stdout=bytes(out["stdout"][:cap]).decode(errors="replace"),
+            stderr=bytes(out["stderr"][:cap]).decode(errors="replace"),
+            exit_code=r.exit_code,
+            wall_time=r.duration,
+            stdout_truncated=len(out["stdout"]) > cap,
+            stderr_truncated=len(out["stderr"]) > cap,
+        )
+
+    async def fncall_judge(self, req: JudgeRequest) -> JudgeResult:
+        from corral.backends.fncall.checkers import judged
+
+        results = []
+        for case in req.tests:
+            r = await self.fncall_run(
+                CallRequest(
+                    language=req.language, code=req.code, stdin=case.stdin, limits=req.limits
+                )
+            )
+            results.append(r)
+            if req.stop_on_failure and r.status != "ok":
+                break
+        return await judged(req, results, self.fncall_run)
 
     async def node_status(self) -> NodeStatus:
         n = len(self._sandboxes)
@@ -481,7 +675,8 @@ class FakeNode(NodeOps):
             runtime="fake",
             cgroup_mode="v2",
             sandboxes=n,
-            running=n,
+            running=sum(1 for s in self._sandboxes.values() if s.info.state == "running"),
+            paused=sum(1 for s in self._sandboxes.values() if s.info.state == "paused"),
             state_dir="",
             store="",
             mounted_layers=0,
@@ -495,10 +690,14 @@ class FakeNode(NodeOps):
                 p.task.cancel()
 
     # --------------------------------------------------------------- helpers
-    def _sb(self, sandbox_id: str) -> _Sandbox:
+    def _sb(self, sandbox_id: str, wake: bool = True) -> _Sandbox:
+        """The sandbox; a request (``wake``) to a paused one resumes it, as a node does."""
         sb = self._sandboxes.get(sandbox_id)
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node")
+        if wake and sb.info.state == "paused":
+            sb.info = sb.info.model_copy(update={"state": "running"})
+            self._event(sandbox_id, "resumed", transparent="true")
         return sb
 
     def _proc(self, sandbox_id: str, process_id: str) -> _Proc:

@@ -31,10 +31,16 @@ from corral.api._pty import pty_router
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
 from corral.ops import NodeOps
 from corral.spec import (
+    CallRequest,
+    CallResult,
+    JudgeRequest,
+    JudgeResult,
     Event,
+    EventSummary,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     ImageInfo,
     LayerInfo,
     NodeStatus,
@@ -71,6 +77,20 @@ class ComposeRequest(_Body):
     """Layer digests, bottom first."""
     env: dict[str, str] | None = None
     workdir: str = "/"
+
+
+class NetworkUpdateRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/network``; a missing list is kept as it is."""
+
+    allow: list[str] | None = None
+    deny: list[str] | None = None
+
+
+class SnapshotRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/snapshot``."""
+
+    name: str | None = Field(None, min_length=1, max_length=300)
+    """Image name to write; None: ``snapshot/<sandbox id>:<UTC time>``."""
 
 
 class ShellOpenRequest(_Body):
@@ -328,6 +348,40 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         await ops.sandbox_destroy(sandbox_id)
         return Response(status_code=204)
 
+    @r.post(sb + "/pause", response_model=SandboxInfo, tags=["sandboxes"])
+    async def sandbox_pause(sandbox_id: str) -> Response:
+        return _json(await ops.sandbox_pause(sandbox_id))
+
+    @r.post(sb + "/resume", response_model=SandboxInfo, tags=["sandboxes"])
+    async def sandbox_resume(sandbox_id: str) -> Response:
+        return _json(await ops.sandbox_resume(sandbox_id))
+
+    @r.post("/sandboxes/pause", response_model=list[SandboxInfo], tags=["sandboxes"])
+    async def sandboxes_pause(
+        label: list[str] = Query(..., description="key=value; every sandbox with all of them"),
+    ) -> Response:
+        return _json_list(await ops.sandboxes_pause(_parse_labels(label) or {}))
+
+    @r.post("/sandboxes/resume", response_model=list[SandboxInfo], tags=["sandboxes"])
+    async def sandboxes_resume(
+        label: list[str] = Query(..., description="key=value; every sandbox with all of them"),
+    ) -> Response:
+        return _json_list(await ops.sandboxes_resume(_parse_labels(label) or {}))
+
+    @r.post(sb + "/network", response_model=SandboxInfo, tags=["sandboxes"])
+    async def network_update(sandbox_id: str, body: NetworkUpdateRequest) -> Response:
+        return _json(await ops.network_update(sandbox_id, body.allow, body.deny))
+
+    @r.post(sb + "/snapshot", response_model=ImageInfo, status_code=201, tags=["sandboxes"])
+    async def sandbox_snapshot(sandbox_id: str, body: SnapshotRequest) -> Response:
+        return _json(await ops.sandbox_snapshot(sandbox_id, body.name), 201)
+
+    @r.post(sb + "/fork", response_model=list[SandboxInfo], status_code=201, tags=["sandboxes"])
+    async def sandbox_fork(sandbox_id: str, req: ForkRequest) -> Response:
+        resp = _json_list(await ops.sandbox_fork(sandbox_id, req))
+        resp.status_code = 201
+        return resp
+
     # --- exec
     @r.post(sb + "/exec", response_model=ExecResult, tags=["exec"])
     async def exec_(sandbox_id: str, req: ExecRequest) -> Response:
@@ -456,20 +510,50 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         return Response(data, media_type="application/x-tar")
 
     # --- events and node
+    _kinds = Query([], description="only events of these kinds (repeatable)")
+
     @r.get("/events", response_model=list[Event], tags=["events"])
     async def events(
         sandbox_id: str | None = None,
         since_id: int = Query(0, ge=0),
         label: list[str] = Query([], description="key=value of the sandboxes' labels"),
+        kind: list[str] = _kinds,
     ) -> Response:
         found = await ops.events(
-            sandbox_id=sandbox_id, since_id=since_id, labels=_parse_labels(label)
+            sandbox_id=sandbox_id,
+            since_id=since_id,
+            labels=_parse_labels(label),
+            kinds=kind or None,
         )
         return _json_list(found)
 
+    @r.get("/events/summary", response_model=EventSummary, tags=["events"])
+    async def events_summary(
+        sandbox_id: str | None = None,
+        label: list[str] = Query([], description="key=value of the sandboxes' labels"),
+        kind: list[str] = _kinds,
+    ) -> Response:
+        found = await ops.events_summary(
+            labels=_parse_labels(label), kinds=kind or None, sandbox_id=sandbox_id
+        )
+        return _json(found)
+
     @r.get(sb + "/events", response_model=list[Event], tags=["events"])
-    async def sandbox_events(sandbox_id: str, since_id: int = Query(0, ge=0)) -> Response:
-        return _json_list(await ops.events(sandbox_id=sandbox_id, since_id=since_id))
+    async def sandbox_events(
+        sandbox_id: str, since_id: int = Query(0, ge=0), kind: list[str] = _kinds
+    ) -> Response:
+        return _json_list(
+            await ops.events(sandbox_id=sandbox_id, since_id=since_id, kinds=kind or None)
+        )
+
+    # --- fncall
+    @r.post("/fncall/run", response_model=CallResult, tags=["fncall"])
+    async def fncall_run(body: CallRequest) -> Response:
+        return _json(await ops.fncall_run(body))
+
+    @r.post("/fncall/judge", response_model=JudgeResult, tags=["fncall"])
+    async def fncall_judge(body: JudgeRequest) -> Response:
+        return _json(await ops.fncall_judge(body))
 
     @r.get("/node", response_model=NodeStatus, tags=["node"])
     async def node_status() -> Response:

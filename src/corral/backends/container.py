@@ -31,8 +31,11 @@ from corral.errors import HostError
 from corral.host import mounts
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
+from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
+from corral.host.userns import SandboxUserns, drop_file
 from corral.images.mounts import LayerMounts
+from corral.policy import qos
 from corral.spec import ImageInfo, SandboxSpec
 
 __all__ = ["ContainerBackend", "remove_sandbox_dir"]
@@ -52,6 +55,7 @@ class ContainerBackend:
         init_path: Path,
         host_uid: int,
         id_count: int,
+        owners: OwnerUids | None = None,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.runtime = runtime
@@ -61,9 +65,17 @@ class ContainerBackend:
         self.init_path = init_path
         self.host_uid = host_uid
         self.id_count = id_count
+        # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py);
+        # None: the runtime creates it as host root (tests of the old behaviour only).
+        self.owners = owners
+        self._owner: dict[str, int] = {}
         self._clients: dict[str, InitClient] = {}
         self._fs: dict[str, SandboxFS] = {}
         self._seccomp_bpf: dict[str, str] = {}
+        self.seccomp_notify: str | None = None
+        self.extra_mounts: list[dict[str, object]] = []
+        """OCI mounts every sandbox gets (the node resolver's /etc/resolv.conf)."""
+        """The node's seccomp listener socket (corral.node.security), if it has one."""
         sandboxes_dir.mkdir(parents=True, exist_ok=True)
 
     # paths
@@ -94,10 +106,14 @@ class ContainerBackend:
         return f
 
     # lifecycle
-    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo) -> int:
+    async def create(
+        self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo, base: str | None = None
+    ) -> int:
+        """Start a sandbox; with ``base`` (a scratch subvolume laid out like a sandbox dir,
+        see corral.node.snapshot), its writable layer starts as a snapshot of that one."""
         undo: list[Callable[[], object]] = []
         try:
-            return await self._create(sandbox_id, spec, image, undo)
+            return await self._create(sandbox_id, spec, image, undo, base)
         except BaseException:
             for step in reversed(undo):
                 with contextlib.suppress(Exception):
@@ -107,7 +123,12 @@ class ContainerBackend:
             raise
 
     async def _create(
-        self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo, undo: list[Callable[[], object]]
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        undo: list[Callable[[], object]],
+        base: str | None = None,
     ) -> int:
         d = self.dir(sandbox_id)
         in_subvol = d.parent == self.scratch.mountpoint
@@ -117,8 +138,13 @@ class ContainerBackend:
             # rootfs is still mounted. It also keeps these per-create files off the node's
             # root filesystem: here ext4 without a journal, whose inode allocator rescans
             # recently deleted inodes (~0.3-0.6 ms per new file under create/destroy churn).
-            self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
+            if base is None:
+                self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+            else:
+                # A snapshot commits a btrfs transaction (2-10 ms): off the event loop, so
+                # the other children of a fork go on starting meanwhile.
+                await _in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
         else:
             d.mkdir(mode=0o711)
             undo.append(lambda: remove_sandbox_dir(d))
@@ -145,20 +171,31 @@ class ContainerBackend:
 
         sub = d
         if not in_subvol:
-            sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+            if base is None:
+                sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+            else:
+                sub = self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
         upper, work = sub / "upper", sub / "work"
-        upper.mkdir()
-        work.mkdir()
-        # The upper belongs to root inside the sandbox (host uid host_uid), so the guest can
-        # write where a normal root could and its files land under the mapped owner.
-        os.chown(upper, self.host_uid, self.host_uid)
+        if base is None:
+            upper.mkdir()
+            work.mkdir()
+            # The upper belongs to root inside the sandbox (host uid host_uid), so the guest
+            # can write where a normal root could and its files land under the mapped owner.
+            os.chown(upper, self.host_uid, self.host_uid)
 
         root = self.rootfs(sandbox_id)
-        root.mkdir()
+        root.mkdir(exist_ok=base is not None)
         mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
         undo.append(lambda: mounts.umount(root, detach=True))
 
+        userns = None
+        if self.owners is not None:
+            self._owner[sandbox_id] = owner = self.owners.allocate()
+            undo.append(lambda: self._release_owner(sandbox_id))
+            # crun opens the namespace in its own process: an fd does (no mount churn).
+            path = None if self.runtime.name == "crun" else d / "userns"
+            userns = SandboxUserns(owner, self.host_uid, self.id_count, path)
         sock_path = self.socket_path(sandbox_id)
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -174,11 +211,22 @@ class ContainerBackend:
                 host_uid=self.host_uid,
                 id_count=self.id_count,
                 annotations={"corral.sandbox": sandbox_id, "corral.image": image.digest},
+                userns_path=None if userns is None else userns.join_path,
+                userns_mappings=self.runtime.name == "runc",
+                notify=self.seccomp_notify,
+                extra_mounts=[*self.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
+                readonly_root=spec.readonly_rootfs,
             )
             bpf_key = self._reuse_seccomp_bpf(config)
+            if userns is not None and not oci.joins_userns(config):
+                userns = None  # runc with a joined network namespace (see build_config)
+                self._release_owner(sandbox_id)
+            rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
             oci.write_bundle(d, config)
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
-            await self.runtime.run_detached(sandbox_id, d, pass_fd=lsock.fileno())
+            await self.runtime.run_detached(
+                sandbox_id, d, pass_fd=lsock.fileno(), userns=userns, rlimits=rlimits
+            )
             if bpf_key is not None:
                 self._remember_seccomp_bpf(bpf_key, sandbox_id)
         finally:
@@ -188,6 +236,8 @@ class ContainerBackend:
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
+        # Before any guest command exists, so everything the sandbox starts inherits it.
+        qos.apply(self.cgroups, sandbox_id, pid, spec.qos)
         return pid
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:
@@ -240,6 +290,15 @@ class ContainerBackend:
                 return int(pid)
         return None
 
+    def freeze(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox (cgroup freezer). Pause, snapshots and forks
+        go through the node's :class:`corral.node.pause.Pauser`, which keeps the state."""
+        self.cgroups.freeze(sandbox_id)
+
+    def thaw(self, sandbox_id: str) -> None:
+        """Thaw what :meth:`freeze` froze."""
+        self.cgroups.thaw(sandbox_id)
+
     def alive(self, sandbox_id: str) -> bool:
         pid = self.init_pid(sandbox_id)
         if not pid:
@@ -257,6 +316,10 @@ class ContainerBackend:
         """SIGKILL the init (the kernel then kills its whole pid namespace) and wait until no
         process of the sandbox is left, so destroy never returns with guest processes alive.
         True when the sandbox's cgroup was seen empty."""
+        with contextlib.suppress(Exception):
+            # A frozen (paused) task never dies of SIGKILL on cgroup v1 until thawed.
+            if self.cgroups.is_frozen(sandbox_id):
+                self.cgroups.thaw(sandbox_id, timeout=1.0)
         pid = self.init_pid(sandbox_id)
         if pid:
             # Only if the pid is still the sandbox's: an init that died (and was reaped)
@@ -282,7 +345,19 @@ class ContainerBackend:
         return False
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> bool:
-        return self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
+        ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
+        pid = self.init_pid(sandbox_id)
+        if ok and pid and self.owners is not None:
+            # The kernel remembers who owns the namespace: claim that uid again.
+            owner = namespace_owner(pid)
+            if owner is not None and self.owners.claim(owner):
+                self._owner[sandbox_id] = owner
+        return ok
+
+    def _release_owner(self, sandbox_id: str) -> None:
+        owner = self._owner.pop(sandbox_id, None)
+        if owner is not None and self.owners is not None:
+            self.owners.release(owner)
 
     async def destroy(self, sandbox_id: str, image: ImageInfo | None) -> None:
         self._clients.pop(sandbox_id, None)
@@ -316,13 +391,28 @@ class ContainerBackend:
                 await asyncio.to_thread(mounts.umount, root, detach=True, busy_wait=1.0)
 
         await step("rootfs umount", umount_root)
+        # Left mounted only by a node that died while the runtime was starting.
+        await step("userns file", lambda: drop_file(self.dir(sandbox_id) / "userns"))
         await step("writable layer", lambda: self.scratch.delete_subvol(sandbox_id))
         if image is not None:
             for digest in image.layers:
                 await step(f"layer {digest[:19]}", functools.partial(self.layers.release, digest))
         await step("dir", lambda: remove_sandbox_dir(self.dir(sandbox_id)))
+        if not errors:  # else processes (and so the namespace) may live on: keep the owner
+            self._release_owner(sandbox_id)
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
+
+
+async def _in_thread(fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` in a worker thread; if the caller is cancelled, it still waits for the
+    thread to end, so the caller's undo never runs before what it undoes exists."""
+    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
 
 
 def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool] | None = None) -> None:
@@ -343,6 +433,7 @@ def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool] | None = None) -> Non
 
 def remove_sandbox_dir(d: Path) -> None:
     """Remove a sandbox dir without ever descending into a still-mounted rootfs."""
+    drop_file(d / "userns")  # a namespace bind left by a node that died mid-create
     for name in ("config.json", "ctl.sock"):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()

@@ -115,6 +115,19 @@ def _mounts(init_host_path: Path) -> list[dict[str, Any]]:
     ]
 
 
+def tmpfs_mounts(tmpfs: dict[str, int]) -> list[dict[str, Any]]:
+    """Private tmpfs mounts (``SandboxSpec.tmpfs``): mode 1777, no devices or setuid."""
+    return [
+        {
+            "destination": path,
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=1777", f"size={size}"],
+        }
+        for path, size in sorted(tmpfs.items())
+    ]
+
+
 def _resources(limits: Limits) -> dict[str, Any]:
     return {
         # Deny every device; the runtime then adds its default set (null, zero, full, tty,
@@ -142,6 +155,10 @@ def build_config(
     annotations: dict[str, str] | None = None,
     seccomp: dict[str, Any] | None = None,
     log_denials: bool = False,
+    notify: str | None = None,
+    readonly_root: bool = False,
+    userns_path: Path | None = None,
+    userns_mappings: bool = False,
 ) -> dict[str, Any]:
     """The OCI config.json of one sandbox, as a dict.
 
@@ -154,6 +171,13 @@ def build_config(
     :func:`corral.policy.seccomp.default_profile` for this machine, with
     ``SECCOMP_FILTER_FLAG_LOG`` when ``log_denials`` (kernel audit record of every refused
     call, for the event log): crun supports it, runc 1.1 refuses to start with it.
+    ``notify``: the node's seccomp listener socket (``listenerPath``), which records the
+    interesting refused calls as events (:mod:`corral.host.seccomp_notify`).
+
+    ``userns_path``: join this user namespace (made by the node, owned by the sandbox's
+    own host uid, see :mod:`corral.host.owners`) instead of having the runtime create
+    one; crun then wants no id mappings in the config, runc 1.1 still reads them
+    (``userns_mappings``).
 
     PID 1's stdio is whatever the caller gives ``runc run`` (it must be /dev/null or
     pipes: /proc/1/fd shows paths); ``--preserve-fds 1`` passes the control socket as fd 3.
@@ -172,7 +196,17 @@ def build_config(
     # limit above the one it inherited from us (EPERM at start): clamp to ours. The node
     # raises its own hard RLIMIT_NOFILE at start-up to get the full value.
     nofile_hard = min(NOFILE_HARD, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-    namespaces: list[dict[str, str]] = [{"type": t} for t in _NS_TYPES]
+    if net_ns and userns_path is not None and userns_mappings:
+        # runc 1.1 joins the user namespace before the others, and from inside it may not
+        # join a network namespace of the initial one (EPERM): runc creates this sandbox's
+        # user namespace itself, owned by root (see joins_userns).
+        userns_path = None
+    namespaces: list[dict[str, str]] = [
+        {"type": t, "path": str(userns_path)} if t == "user" and userns_path else {"type": t}
+        for t in _NS_TYPES
+    ]
+    mapping = [{"containerID": 0, "hostID": host_uid, "size": id_count}]
+    with_mappings = userns_path is None or userns_mappings
     namespaces.append({"type": "network", "path": net_ns} if net_ns else {"type": "network"})
     mounts = _mounts(init_host_path)
     if net_ns:
@@ -212,13 +246,12 @@ def build_config(
             # The guest is the first thing the kernel's OOM killer takes, never the node.
             "oomScoreAdj": 1000,
         },
-        "root": {"path": str(rootfs), "readonly": False},
+        "root": {"path": str(rootfs), "readonly": readonly_root},
         "hostname": hostname,
         "mounts": mounts,
         "annotations": dict(annotations or {}),
         "linux": {
-            "uidMappings": [{"containerID": 0, "hostID": host_uid, "size": id_count}],
-            "gidMappings": [{"containerID": 0, "hostID": host_uid, "size": id_count}],
+            **({"uidMappings": mapping, "gidMappings": mapping} if with_mappings else {}),
             "namespaces": namespaces,
             "resources": _resources(limits),
             "cgroupsPath": cgroups_path,
@@ -228,10 +261,30 @@ def build_config(
             "seccomp": (
                 seccomp
                 if seccomp is not None
-                else shared_profile(_machine(), log_denials=log_denials)
+                else shared_profile(_machine(), log_denials=log_denials, notify=notify)
             ),
         },
     }
+
+
+def joins_userns(config: dict[str, Any]) -> bool:
+    """Whether ``config`` has the runtime join an existing user namespace."""
+    return any(n["type"] == "user" and "path" in n for n in config["linux"]["namespaces"])
+
+
+def take_rlimits(config: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """Remove the process rlimits from ``config`` and return them as (resource, soft, hard)
+    for the runtime's process to start with (inherited by the container).
+
+    runc sets them with prlimit from outside the container's user namespace, which needs
+    CAP_SYS_RESOURCE over that namespace: host root has it for a namespace it owns, or
+    with CAP_SYS_RESOURCE in its bounding set, which some hosts (this VM) do not grant.
+    """
+    out = []
+    for r in config["process"].pop("rlimits", []):
+        res = getattr(resource, r["type"])
+        out.append((int(res), int(r["soft"]), int(r["hard"])))
+    return out
 
 
 def _machine() -> str:

@@ -9,6 +9,7 @@ Example::
     corral bench exec --count 200 --vs docker --json
     corral bench destroy --count 50 --vs docker --json
     corral bench density --count 200 --json
+    corral bench fork --count 20 --json
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral.bench import scenarios
+from corral.bench import density_cmds, scenarios
 from corral.bench.scenarios import BenchOptions
 from corral.errors import CorralError
 
@@ -115,7 +116,9 @@ def _table(result: dict[str, Any]) -> Table:
         sides = ["corral", *[s for s in sides if s == "docker"]]
     for s in sides:
         t.add_column(s, justify="right")
-    if result.get("ratio"):
+    # a dict of corral-vs-baseline ratios (share reports a plain number instead)
+    has_ratios = isinstance(result.get("ratio"), dict)
+    if has_ratios:
         t.add_column("ratio", justify="right")
 
     def side(name: str) -> dict[str, Any]:
@@ -131,10 +134,10 @@ def _table(result: dict[str, Any]) -> Table:
                 and k not in ("count", "concurrency")
             ):
                 keys.append(k)
-    ratios = result.get("ratio") or {}
+    ratios: dict[str, Any] = result["ratio"] if has_ratios else {}
     for k in keys:
         row = [k, *[_fmt(side(s).get(k)) for s in sides]]
-        if result.get("ratio"):
+        if has_ratios:
             r = ratios.get(k) or ratios.get(k.removesuffix("_mib"))
             row.append(f"{r}x" if r else "")
         t.add_row(*row)
@@ -242,6 +245,89 @@ def density_cmd(
     """N idle sandboxes at once: alive, responsive, host memory each, leftovers after."""
     opts = _options(vs, state_dir, run_dir, subtree, store, image, runtime)
     _run(lambda: scenarios.density(opts, count, concurrency), as_json)
+
+
+density_cmds.register(app, _options, _run)  # pause, qos, share
+
+
+@app.command("fork")
+def fork_cmd(
+    count: _Count = 20,
+    size: Annotated[
+        str, typer.Option("--size", help="Files the parent writes (1 MiB each).")
+    ] = "500MiB",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="fork(count) repeats.")] = 3,
+    as_json: _Json = False,
+    state_dir: _State = DEFAULT_STATE,
+    run_dir: _Run = DEFAULT_RUN,
+    subtree: _Subtree = "corral-bench",
+    store: _Store = None,
+    image: _Image = "debian",
+    runtime: _Runtime = "auto",
+) -> None:
+    """Fork a sandbox holding SIZE of written files: forks/s and snapshot ms, against a
+    plain create and the naive copy (download + upload into a fresh sandbox)."""
+    from corral.bench import fork
+    from corral.spec import parse_bytes
+
+    opts = _options(None, state_dir, run_dir, subtree, store, image, runtime)
+    _run(lambda: fork.fork(opts, count, parse_bytes(size), rounds), as_json)
+
+
+@app.command("fncall")
+def fncall_cmd(
+    count: _Count = 1000,
+    concurrency: _Conc = 8,
+    as_json: _Json = False,
+    state_dir: _State = DEFAULT_STATE,
+    run_dir: _Run = DEFAULT_RUN,
+    subtree: _Subtree = "corral-bench",
+    store: _Store = None,
+    image: Annotated[
+        str,
+        typer.Option(
+            "--image",
+            help="'python' (Debian minbase + python3, built once) "
+            "or an image with python3 in the store.",
+        ),
+    ] = "python",
+    runtime: _Runtime = "auto",
+) -> None:
+    """Isolated Python calls/s from a warm pool vs a fresh container and a bare process per call."""
+    from corral.bench.fncall import fncall
+
+    opts = _options(None, state_dir, run_dir, subtree, store, image, runtime)
+    _run(lambda: fncall(opts, count, concurrency), as_json)
+
+
+@app.command("network")
+def network_cmd(
+    count: Annotated[
+        int,
+        typer.Option("--count", "-n", min=1, help="Sandboxes created with and without a policy."),
+    ] = 20,
+    updates: Annotated[int, typer.Option("--updates", min=1, help="Policy updates timed.")] = 20,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Downloads on each path.")] = 3,
+    size: Annotated[str, typer.Option("--size", help="Bytes per download.")] = "256MiB",
+    as_json: _Json = False,
+    state_dir: _State = DEFAULT_STATE,
+    run_dir: _Run = DEFAULT_RUN,
+    subtree: _Subtree = "corral-bench",
+    store: _Store = None,
+    image: Annotated[
+        str, typer.Option("--image", help="An image with python3 ('python': built once).")
+    ] = "python",
+    runtime: _Runtime = "auto",
+) -> None:
+    """Egress policy: extra create cost (attach), time until an update takes effect, and
+    allowed-path HTTP throughput against the same download from the host."""
+    from corral.bench.fncall import _ensure_python_image
+    from corral.bench.network import network
+    from corral.spec import parse_bytes
+
+    opts = _options(None, state_dir, run_dir, subtree, store, image, runtime)
+    opts.image = _ensure_python_image(opts)
+    _run(lambda: network(opts, count, updates, rounds, parse_bytes(size)), as_json)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -28,8 +28,11 @@ from pydantic import ValidationError
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from corral.cli import events as events_cmd
+from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd
 from corral.cli import node as node_cmd
+from corral.cli import redteam as redteam_cmd
 from corral.cli import sandbox as sandbox_cmd
 from corral.cli._context import ClientFactory, Globals, err, validation_text
 from corral.errors import CorralError
@@ -114,6 +117,9 @@ app = typer.Typer(
 app.add_typer(images_cmd.app, name="image")
 app.add_typer(sandbox_cmd.app, name="sandbox")
 app.add_typer(node_cmd.app, name="node")
+app.add_typer(events_cmd.app, name="events")
+app.add_typer(fncall_cmd.app, name="fncall")
+app.command("redteam")(redteam_cmd.redteam)
 
 
 @app.callback()

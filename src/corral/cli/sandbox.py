@@ -1,4 +1,4 @@
-"""``corral sandbox``: create, exec, shell, ls, rm, cp, events, info."""
+"""``corral sandbox``: create, exec, shell, ls, rm, cp, events, info, snapshot, fork."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from corral.cli import _cp, _pty
+from corral.cli import _cp, _network, _pause, _pty, _snapshot
 from corral.cli._context import (
     EMBEDDED,
     Globals,
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["app", "exit_status"]
 
 app = typer.Typer(help="Create and use sandboxes.", no_args_is_help=True)
+_pause.register(app)  # pause, resume
+_snapshot.register(app)  # snapshot, fork
+_network.register(app)  # network
 
 # Same conventions as timeout(1) and shells, so scripts can tell the cases apart.
 EXIT_TIMEOUT = 124
@@ -66,10 +69,18 @@ def create(
     idle_timeout: Annotated[
         float | None, typer.Option(help="Destroy after this many idle seconds.")
     ] = None,
+    idle_pause: Annotated[
+        float | None, typer.Option(help="Pause after this many idle seconds (state kept).")
+    ] = None,
+    qos: Annotated[
+        str | None, typer.Option(help="CPU class: best_effort (default) or latency.")
+    ] = None,
     label: LabelOpt = None,
     env: EnvOpt = None,
     workdir: Annotated[str | None, typer.Option(help="Default cwd of execs.")] = None,
     hostname: Annotated[str | None, typer.Option(help="Hostname inside.")] = None,
+    allow: _network.AllowOpt = None,
+    deny: _network.DenyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Create a sandbox and print its id."""
@@ -93,6 +104,9 @@ def create(
                 env=envs,
                 workdir=workdir,
                 hostname=hostname,
+                idle_pause=idle_pause,
+                qos=qos,
+                network={"allow": allow or [], "deny": deny or []},
             )
             return sb.info
 
@@ -387,6 +401,9 @@ def events(
     ] = None,
     label: LabelOpt = None,
     since: Annotated[int, typer.Option(help="Only events with an id above this.")] = 0,
+    kind: Annotated[
+        list[str] | None, typer.Option("--kind", "-k", help="Only this kind (repeatable).")
+    ] = None,
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing new events.")
     ] = False,
@@ -418,7 +435,7 @@ def events(
         async with g.client() as client:
             while True:
                 evs = await client.events(
-                    sandbox_id=sandbox_id, since_id=last, labels=labels or None
+                    sandbox_id=sandbox_id, since_id=last, labels=labels or None, kinds=kind
                 )
                 show(evs)
                 if evs:

@@ -11,11 +11,28 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from corral.backends.fncall.config import FnCallConfig
+from corral.policy.network import NetworkConfig
 from corral.spec import ByteSize
 
-__all__ = ["NodeConfig"]
+__all__ = ["NodeConfig", "SwapConfig"]
+
+
+class SwapConfig(BaseModel):
+    """Swap the node adds for paused sandboxes, and removes when it tears down."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["none", "zram", "file"] = "none"
+    """``zram``: a new compressed RAM device (memory that compresses well); ``file``: a
+    swap file on the state dir's filesystem (releases any memory); ``none``: pausing only
+    freezes and drops page cache."""
+    size: ByteSize = 8 << 30
+    """Size of the swap area (for zram: uncompressed bytes it can hold)."""
+    path: Path | None = None
+    """``file`` only: where the swap file goes; default ``state_dir/swap/corral.swap``."""
 
 
 class NodeConfig(BaseModel):
@@ -30,6 +47,12 @@ class NodeConfig(BaseModel):
     host_uid: int = Field(100000, ge=1000)
     """First host uid/gid that root inside a sandbox maps to."""
     id_count: int = Field(65536, ge=1024)
+    owner_uid: int | None = Field(None, ge=1)
+    """First of the host uids that own sandbox user namespaces, one per sandbox (see
+    corral.host.owners; nothing else on the host may use them); default
+    ``host_uid + id_count``, right after the mapped range."""
+    owner_uids: int = Field(65536, ge=1)
+    """How many owner uids (at most that many sandboxes on the host at once)."""
     scratch_size: ByteSize = 64 << 30
     """Size of the sparse btrfs scratch image holding writable layers."""
     runtime: Literal["auto", "runc", "crun"] = "auto"
@@ -41,7 +64,29 @@ class NodeConfig(BaseModel):
     """Unix socket of ``corral node serve``; default ``run_dir/api.sock``."""
     cgroup_subtree: str = Field("corral", pattern=r"^corral[a-z0-9-]*$")
     eager_layers: bool = False
+    swap: SwapConfig = Field(default_factory=SwapConfig)
+    """Swap for paused sandboxes, e.g. ``[node.swap] kind = "file"``, ``size = "8GiB"``."""
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    """Sandbox egress: ``[node.network]`` subnet, upstream resolvers, and the named
+    permissions (``[node.network.permissions.NAME]``) sandboxes may be granted."""
+    fncall: FnCallConfig = Field(default_factory=FnCallConfig)
+    """Warm pools for short calls (``[node.fncall]``): default image, pools per image,
+    languages; see corral.backends.fncall.config."""
     """Benchmark baseline only: copy each layer to node-local disk before mounting."""
+
+    @property
+    def owner_first(self) -> int:
+        return self.host_uid + self.id_count if self.owner_uid is None else self.owner_uid
+
+    @model_validator(mode="after")
+    def _owners_apart(self) -> NodeConfig:
+        first, end = self.owner_first, self.owner_first + self.owner_uids
+        if first < self.host_uid + self.id_count and self.host_uid < end:
+            raise ValueError(
+                f"owner uids {first}..{end - 1} overlap the mapped sandbox ids "
+                f"{self.host_uid}..{self.host_uid + self.id_count - 1}"
+            )
+        return self
 
     @property
     def store_dir(self) -> Path:

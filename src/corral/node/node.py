@@ -37,27 +37,40 @@ from corral.errors import (
     SandboxError,
     SandboxNotFound,
 )
-from corral.host import mounts
+from corral.host import criu, initfs, landlock, mounts, sched
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups, detect_mode
+from corral.host.owners import OwnerUids
 from corral.host.runtime import OCIRuntime
 from corral.host.userns import UserNamespace
 from corral.images.mounts import LayerMounts
 from corral.images.store import LayerStore
 from corral.init import ensure_built
+from corral.node import snapshot
 from corral.node.config import NodeConfig
+from corral.node.network import NodeNetwork
+from corral.node.fncall import FnCallService
+from corral.node.security import NodeSecurity
+from corral.node.pause import NodeSwap, Pauser
 from corral.node.state import StateStore
 from pydantic import ValidationError
 
 from corral.spec import (
     validation_message,
+    CallRequest,
+    CallResult,
+    JudgeRequest,
+    JudgeResult,
     Event,
+    EventSummary,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     ImageInfo,
     LayerInfo,
+    NetworkPolicy,
     NodeStatus,
     ProcessInfo,
     SandboxInfo,
@@ -71,6 +84,11 @@ log = logging.getLogger("corral.node")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _install_init(cfg: NodeConfig) -> Path:
+    """Build corral-init if needed and put it on its own tmpfs (see corral.host.initfs)."""
+    return initfs.install(cfg.run_dir / "initfs", ensure_built(cfg.state_dir / "bin"))
 
 
 def _new_id(prefix: str) -> str:
@@ -93,12 +111,24 @@ class Node:
         self.scratch: Scratch = parts["scratch"]  # type: ignore[assignment]
         self.backend: ContainerBackend = parts["backend"]  # type: ignore[assignment]
         self._lock_fd: int = parts["lock_fd"]  # type: ignore[assignment]
+        self.security: NodeSecurity = parts["security"]  # type: ignore[assignment]
+        self.swap: NodeSwap = parts["swap"]  # type: ignore[assignment]
+        self.network: NodeNetwork = parts["network"]  # type: ignore[assignment]
         self._live: dict[str, SandboxInfo] = {}
+        self.pauser = Pauser(
+            self.cgroups,
+            self._live.get,
+            self._put,
+            self.state.add_event,
+            busy=lambda sid: sid in self._busy,
+        )
         self._touched: dict[str, float] = {}
         self._busy: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._destroys: set[asyncio.Task[None]] = set()
+        self._scratch_work: set[str] = set()  # snapshot/fork subvolumes in use (not gc's)
         self._closed = False
+        self.fncall = FnCallService(self, config.fncall)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -132,7 +162,7 @@ class Node:
                 helper_dir=cfg.state_dir / "bin",
                 root_tmpfs=True,
             )
-            init_path = await asyncio.to_thread(ensure_built, cfg.state_dir / "bin")
+            init_path = await asyncio.to_thread(_install_init, cfg)
             userns = UserNamespace.create(cfg.host_uid, cfg.id_count)
             opened.append(userns)
             resolve = store.path_of
@@ -143,6 +173,8 @@ class Node:
                 cfg.state_dir / "scratch.img", cfg.state_dir / "scratch", cfg.scratch_size
             )
             await asyncio.to_thread(scratch.setup)
+            swap = NodeSwap(cfg.swap, cfg.state_dir)
+            await asyncio.to_thread(swap.setup)
             backend = ContainerBackend(
                 # Each sandbox's dir is its scratch subvolume (see ContainerBackend._create).
                 sandboxes_dir=scratch.mountpoint,
@@ -153,7 +185,20 @@ class Node:
                 init_path=init_path,
                 host_uid=cfg.host_uid,
                 id_count=cfg.id_count,
+                owners=OwnerUids(cfg.owner_first, cfg.owner_uids),
             )
+            opened.append(backend.owners)
+            security = NodeSecurity(
+                state.add_event,
+                cgroups,
+                scratch,
+                # crun and runc >= 1.1 hand the filter's notification fd to this socket.
+                listener_path=cfg.run_dir / "seccomp.sock",
+            )
+            opened.append(security)
+            backend.seccomp_notify = security.notify_path
+            network = NodeNetwork(cfg.network, cfg.cgroup_subtree, cfg.state_dir, state.add_event)
+            backend.extra_mounts = network.mounts()
         except BaseException:
             for o in opened:
                 with contextlib.suppress(Exception):
@@ -172,16 +217,27 @@ class Node:
             scratch=scratch,
             backend=backend,
             lock_fd=lock_fd,
+            swap=swap,
+            security=security,
+            network=network,
         )
         try:
             await node._recover()
         except BaseException:
             # Release the state dir: otherwise this process could never open it again.
-            for part in (node.userns, node.runtime, node.scratch, node.state):
+            for part in (
+                node.userns,
+                node.backend.owners,
+                node.runtime,
+                node.scratch,
+                node.security,
+                node.state,
+            ):
                 with contextlib.suppress(Exception):
-                    part.close()  # type: ignore[attr-defined]
+                    part.close()  # type: ignore[attr-defined,union-attr]
             os.close(lock_fd)
             raise
+        await node.fncall.start()
         node._reaper = asyncio.create_task(node._reap_forever(), name="corral-reaper")
         return node
 
@@ -191,13 +247,19 @@ class Node:
         lost: list[SandboxInfo] = []
         for info in self.state.live_sandboxes():
             image = _image_of(info)
-            if info.state in ("running", "paused") and await self.backend.adopt(info.id, image):
+            adoptable = info.state in ("running", "pausing", "paused", "resuming")
+            if adoptable and await self.backend.adopt(info.id, image):
                 self._live[info.id] = info
+                self.pauser.recovered(info)
+                self.security.adopted(info.id)
                 for d in info.layers:
                     counts[d] = counts.get(d, 0) + 1
             else:
                 lost.append(info)
         self.layers.adopt(counts)
+        await self.network.adopt(
+            (i.id, i.pid, i.address, i.spec.network) for i in self._live.values() if i.address
+        )
         for info in lost:
             log.warning("sandbox %s did not survive (state %s); cleaning up", info.id, info.state)
             with contextlib.suppress(Exception):
@@ -211,13 +273,17 @@ class Node:
         if self._closed:
             return
         self._closed = True
+        await self.fncall.close()
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reaper
+        await self.pauser.close()
         try:
             await self._settle()
             self._flush_touches()
+            with contextlib.suppress(Exception):
+                await self.network.close(keep=bool(self._live))
             if not self._live:
                 try:
                     await self._teardown_shared()
@@ -232,7 +298,10 @@ class Node:
             # Even when the teardown fails (a mount still busy): release the state dir, or
             # this process could never open a node on it again.
             self.userns.close()
+            if self.backend.owners is not None:
+                self.backend.owners.close()  # its host-wide claims go with it
             self.runtime.close()
+            self.security.close()
             self.state.close()
             os.close(self._lock_fd)
 
@@ -248,9 +317,11 @@ class Node:
             await asyncio.sleep(0.005)
 
     async def _teardown_shared(self) -> None:
+        initfs.remove(self.config.run_dir / "initfs")
         self.layers.unmount_all()
         await asyncio.to_thread(self.scratch.teardown)
         self.cgroups.remove_subtree_if_empty()
+        await asyncio.to_thread(self.swap.teardown)
         self.runtime.teardown()  # its tmpfs at --root, if it made one
         for d in (self.runtime.root, self.runtime.root.with_name(self.runtime.root.name + "-log")):
             with contextlib.suppress(OSError):
@@ -283,8 +354,15 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_open()
-        image = self.store.image(spec.image)
+        return await self._create_sandbox(spec, self.store.image(spec.image))
+
+    async def _create_sandbox(
+        self, spec: SandboxSpec, image: ImageInfo, fork_base: str | None = None, **why: str
+    ) -> SandboxInfo:
+        """Create from ``image``; with ``fork_base``, the writable layer starts as a
+        snapshot of that scratch subvolume (see corral.node.snapshot)."""
         _check_fits(spec, self.config)
+        self.network.compile(spec.network)  # unknown permission names: refused up front
         if len(self._live) >= self.config.max_sandboxes:
             raise CapacityError(
                 f"node {self.node_id} is full: {len(self._live)} sandboxes "
@@ -310,7 +388,13 @@ class Node:
         self.state.put_sandbox(info)
         self._live[sid] = info
         try:
-            pid = await self.backend.create(sid, info.spec, image)
+            pid = await self.backend.create(sid, info.spec, image, base=fork_base)
+            try:
+                address = await self.network.attach(sid, pid, spec.network)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.backend.destroy(sid, image)
+                raise
         except BaseException as e:
             self._live.pop(sid, None)
             self.state.mark_destroyed(sid)
@@ -320,11 +404,44 @@ class Node:
             if isinstance(e, Exception):
                 raise HostError(f"creating sandbox failed: {e}") from e
             raise
-        info = info.model_copy(update={"state": "running", "pid": pid})
+        info = info.model_copy(update={"state": "running", "pid": pid, "address": address})
         self._live[sid] = info
         self.state.put_sandbox(info)
-        self.state.add_event(sid, "created", {"image": spec.image, "pid": pid})
+        self.state.add_event(sid, "created", {"image": spec.image, "pid": pid, **why})
+        self.security.created(sid)
         return info
+
+    async def network_update(
+        self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
+    ) -> SandboxInfo:
+        """Change a live sandbox's egress policy (None keeps that list); in effect when this
+        returns, without touching its processes."""
+        info = self._active(sandbox_id)
+        try:
+            policy = NetworkPolicy(
+                allow=info.spec.network.allow if allow is None else allow,
+                deny=info.spec.network.deny if deny is None else deny,
+            )
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        address = await self.network.update(sandbox_id, info.pid, info.address, policy)
+        cur = self._live.get(sandbox_id, info)
+        info = cur.model_copy(
+            update={"spec": cur.spec.model_copy(update={"network": policy}), "address": address}
+        )
+        self._live[sandbox_id] = info
+        self.state.put_sandbox(info)
+        detail = {"allow": ",".join(policy.allow), "deny": ",".join(policy.deny)}
+        self.state.add_event(sandbox_id, "network_updated", detail)
+        return info
+
+    async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
+        self._check_open()
+        return await snapshot.snapshot(self, sandbox_id, name)
+
+    async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        self._check_open()
+        return await snapshot.fork(self, sandbox_id, req)
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
         info = self._live.get(sandbox_id)
@@ -332,9 +449,15 @@ class Node:
             info = self.state.get_sandbox(sandbox_id) if _plausible_id(sandbox_id) else None
             if info is None:
                 raise SandboxNotFound(f"no sandbox {_shown(sandbox_id)} on node {self.node_id}")
-        return info.model_copy(
-            update={"last_active_at": self._touched.get(sandbox_id, info.last_active_at)}
-        )
+        update: dict[str, object] = {
+            "last_active_at": self._touched.get(sandbox_id, info.last_active_at)
+        }
+        if sandbox_id in self._live and info.state not in ("creating", "destroying"):
+            with contextlib.suppress(CorralError):
+                update["memory_resident"], update["memory_swapped"] = self.cgroups.memory_usage(
+                    sandbox_id
+                )
+        return info.model_copy(update=update)
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         out = list(self._live.values())
@@ -355,6 +478,47 @@ class Node:
             raise Conflict(f"sandbox {sandbox_id} is already being destroyed")
         await self._destroy(info, "destroyed")
 
+    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze the sandbox and reclaim its memory to swap (see :mod:`corral.node.pause`)."""
+        self._check_open()
+        self._need(sandbox_id)
+        await self.pauser.pause(sandbox_id)
+        return await self.sandbox_get(sandbox_id)
+
+    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox; its pages come back from swap as they are touched."""
+        self._check_open()
+        self._need(sandbox_id)
+        await self.pauser.resume(sandbox_id)
+        self._touched[sandbox_id] = time.time()
+        return await self.sandbox_get(sandbox_id)
+
+    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """Pause every sandbox with these labels (e.g. a job's) at once; returns those paused."""
+        self._check_open()
+        if not labels:
+            raise InvalidRequest("labels: name at least one label (e.g. job=...) to pause by")
+        done = await self.pauser.pause_many(await self.sandbox_list(labels))
+        return [await self.sandbox_get(i.id) for i in done if i.id in self._live]
+
+    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """Resume every paused sandbox with these labels; returns those resumed."""
+        self._check_open()
+        if not labels:
+            raise InvalidRequest("labels: name at least one label (e.g. job=...) to resume by")
+        done = await self.pauser.resume_many(await self.sandbox_list(labels))
+        now = time.time()
+        for i in done:
+            self._touched[i.id] = now
+        return [await self.sandbox_get(i.id) for i in done if i.id in self._live]
+
+    def _put(self, info: SandboxInfo) -> None:
+        """Record a state change of a live sandbox (for the pauser)."""
+        cur = self._live.get(info.id)
+        if cur is not None and cur.state not in ("creating", "destroying"):
+            self._live[info.id] = info
+            self.state.put_sandbox(info)
+
     async def _created(self, sandbox_id: str) -> None:
         """Wait until the sandbox is no longer being created (made, or failed and gone)."""
         while (i := self._live.get(sandbox_id)) is not None and i.state == "creating":
@@ -368,6 +532,7 @@ class Node:
             # release the sandbox's layer references twice, from under its neighbours.
             return
         self._live[sid] = cur.model_copy(update={"state": "destroying"})
+        self.pauser.forget(sid)
         # Once started, a destroy runs to its end even if its caller is cancelled (a client
         # that goes away, the reaper stopped by close(), which then waits for it): half a
         # destroy, already marked destroyed, would leak its mounts, cgroups and processes.
@@ -378,12 +543,16 @@ class Node:
 
     async def _finish_destroy(self, info: SandboxInfo, why: str) -> None:
         sid = info.id
+        with contextlib.suppress(Exception):
+            self.security.before_destroy(sid, info.spec.limits.disk)
         try:
             await self.backend.destroy(sid, _image_of(info))
         except CorralError as e:
             self.state.add_event(sid, "destroy_error", {"error": e.message[:2000]})
             log.error("%s", e.message)
         finally:
+            with contextlib.suppress(Exception):
+                await self.network.detach(sid)
             self._live.pop(sid, None)
             self._touched.pop(sid, None)
             self.state.mark_destroyed(sid)
@@ -453,6 +622,10 @@ class Node:
 
     def _to_result(self, sid: str, r: InitExit, oom_before: int) -> ExecResult:
         reason = r.reason
+        if (live := self._live.get(sid)) is not None:
+            # Truncated without being stopped for it (output_limit has its own event).
+            cut = reason != "output_limit" and (r.out_trunc or r.err_trunc)
+            self.security.after_exec(sid, live.spec.limits.disk, truncated=cut)
         if reason == "signaled" and r.signal == 9 and self._oom_kills(sid) > oom_before:
             reason = "oom"
         if reason not in ("exited", "signaled", "timeout", "oom", "output_limit"):
@@ -681,18 +854,42 @@ class Node:
     async def file_download_tar(self, sandbox_id: str, path: str) -> bytes:
         return await self._fs_call(sandbox_id, "download_tar", path)  # type: ignore[no-any-return]
 
+    # ------------------------------------------------------------------ fncall
+    async def fncall_run(self, req: CallRequest) -> CallResult:
+        """One short call in a warm pool sandbox (see corral.node.fncall)."""
+        return await self.fncall.run(req)
+
+    async def fncall_judge(self, req: JudgeRequest) -> JudgeResult:
+        return await self.fncall.judge(req)
+
     # ------------------------------------------------------------------ events, status
     async def events(
-        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+        self,
+        sandbox_id: str | None = None,
+        since_id: int = 0,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
     ) -> list[Event]:
+        self.security.flush()  # denials counted so far are part of the answer
         if sandbox_id is not None:
             await self.sandbox_get(sandbox_id)
-            return self.state.events(sandbox_id, since_id)
-        evs = self.state.events(None, since_id)
+            return self.state.events(sandbox_id, since_id, kinds=kinds)
+        evs = self.state.events(None, since_id, kinds=kinds)
         if labels:
             ids = set(self.state.sandbox_ids_with_labels(labels))
             evs = [e for e in evs if e.sandbox_id in ids]
         return evs
+
+    async def events_summary(
+        self,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> EventSummary:
+        """Occurrences of each event kind per sandbox (live or destroyed) and in total."""
+        if sandbox_id is not None:
+            await self.sandbox_get(sandbox_id)
+        return self.security.summary(self.state, labels, kinds, sandbox_id)
 
     async def node_status(self) -> NodeStatus:
         import psutil
@@ -700,6 +897,9 @@ class Node:
         from corral import __version__
 
         vm = psutil.virtual_memory()
+        core_ok, core_detail = sched.core_scheduling()
+        ckpt_ok, ckpt_detail = await asyncio.to_thread(criu.checkpoint_support)  # cached
+        ll_abi, ll_detail = landlock.support()
         return NodeStatus(
             node_id=self.node_id,
             version=__version__,
@@ -712,6 +912,14 @@ class Node:
             mounted_layers=len(self.layers.mounted()),
             mem_total=vm.total,
             mem_available=vm.available,
+            paused=sum(1 for i in self._live.values() if i.state == "paused"),
+            swap=self.swap.paths(),
+            core_scheduling=core_ok,
+            qos_detail=core_detail,
+            checkpoint=ckpt_ok,
+            checkpoint_detail=ckpt_detail,
+            landlock=ll_abi,
+            landlock_detail=ll_detail,
         )
 
     # ------------------------------------------------------------------ gc
@@ -725,7 +933,7 @@ class Node:
                 if info is not None and info.state != "destroying":
                     await self._destroy(info, "destroyed")
                     removed["sandboxes"] += 1
-        live = set(self._live)
+        live = set(self._live) | self._scratch_work
         for c in await self.runtime.list():
             cid = c.get("id", "")
             if cid and cid not in live:
@@ -755,10 +963,13 @@ class Node:
                     except OSError as e:
                         # Kept, not forced: it may hold guest data (an unmounted rootfs).
                         log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
+        removed["networks"] = await self.network.gc(set(self._live))
         if everything or not live:
             await self._teardown_shared()
             # The scratch fs and layer mounts come back on the next use of this node.
             await asyncio.to_thread(self.scratch.setup)
+            await asyncio.to_thread(self.swap.setup)  # removed with the rest; close removes it
+            await asyncio.to_thread(_install_init, self.config)
         self.state.add_event(None, "gc", removed)  # type: ignore[arg-type]
         return removed
 
@@ -779,7 +990,10 @@ class Node:
     def _active(self, sandbox_id: str) -> SandboxInfo:
         self._check_open()
         info = self._need(sandbox_id)
-        if info.state != "running":
+        if info.state in ("pausing", "paused", "resuming"):
+            info = self.pauser.wake(sandbox_id)  # transparent resume
+        if info.state not in ("running", "resuming") and not self.pauser.held(sandbox_id):
+            # resuming: the pause being stopped thaws it in a moment; the request waits
             raise Conflict(f"sandbox {sandbox_id} is {info.state}, not running")
         self._touched[sandbox_id] = time.time()
         return info
@@ -820,6 +1034,22 @@ class Node:
             else:
                 self._busy.pop(sandbox_id, None)
 
+    def _background(self, job: Any, name: str) -> None:
+        """Run ``job`` (a coroutine) as a task the node keeps a reference to; failures are
+        logged (the reaper's idle pauses)."""
+
+        async def run() -> None:
+            try:
+                await job
+            except CorralError as e:
+                log.warning("%s: %s", name, e.message)
+            except Exception:
+                log.exception("%s failed", name)
+
+        task = asyncio.create_task(run(), name=name)
+        self._destroys.add(task)
+        task.add_done_callback(self._destroys.discard)
+
     def _flush_touches(self) -> None:
         if self._touched:
             self.state.touch_many(self._touched)
@@ -839,13 +1069,20 @@ class Node:
     async def reap_once(self) -> None:
         self._flush_touches()
         self.state.trim_events(self.config.event_retention)
+        self.security.flush()
         now = time.time()
         for sid in list(self._live):
             info = self._live.get(sid)  # as it is now: an earlier destroy here awaited
+            if info is not None and info.state == "paused":
+                if info.expires_at and now >= info.expires_at:
+                    await self._destroy(info, "ttl_expired")
+                continue  # idle_timeout spares a paused sandbox: pausing is how it is kept
             if info is None or info.state != "running" or sid in self._busy:
                 continue
             if info.expires_at and now >= info.expires_at:
                 await self._destroy(info, "ttl_expired")
+            elif info.spec.idle_pause and now - info.last_active_at >= info.spec.idle_pause:
+                self._background(self.pauser.pause(sid), f"idle-pause-{sid}")
             elif info.spec.idle_timeout and now - info.last_active_at >= info.spec.idle_timeout:
                 await self._destroy(info, "idle_timeout")
             elif not self.backend.alive(info.id):

@@ -44,7 +44,16 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id, id);
 """
 
-_LIVE = ("creating", "running", "paused", "stopped", "destroying", "failed")
+_LIVE = (
+    "creating",
+    "running",
+    "pausing",
+    "paused",
+    "resuming",
+    "stopped",
+    "destroying",
+    "failed",
+)
 
 
 class StateStore:
@@ -145,24 +154,35 @@ class StateStore:
         return int(row[0] or 0)
 
     def events(
-        self, sandbox_id: str | None = None, since_id: int = 0, limit: int = 10000
+        self,
+        sandbox_id: str | None = None,
+        since_id: int = 0,
+        limit: int = 10000,
+        kinds: list[str] | None = None,
     ) -> list[Event]:
-        if sandbox_id is None:
-            rows = self._db.execute(
-                "SELECT id, sandbox_id, time, kind, detail FROM events WHERE id>? "
-                "ORDER BY id LIMIT ?",
-                (since_id, limit),
-            )
-        else:
-            rows = self._db.execute(
-                "SELECT id, sandbox_id, time, kind, detail FROM events "
-                "WHERE sandbox_id=? AND id>? ORDER BY id LIMIT ?",
-                (sandbox_id, since_id, limit),
-            )
+        where, args = _event_filter(sandbox_id, kinds)
+        rows = self._db.execute(
+            "SELECT id, sandbox_id, time, kind, detail FROM events "
+            f"WHERE id>? {where} ORDER BY id LIMIT ?",
+            (since_id, *args, limit),
+        )
         return [
             Event(id=r[0], sandbox_id=r[1], time=r[2], kind=r[3], detail=json.loads(r[4]))
             for r in rows
         ]
+
+    def event_counts(
+        self, sandbox_id: str | None = None, kinds: list[str] | None = None, since_id: int = 0
+    ) -> list[tuple[str | None, str, int]]:
+        """(sandbox_id, kind, occurrences) over the kept events; a coalesced event (see
+        corral.node.security) counts ``detail.count`` times."""
+        where, args = _event_filter(sandbox_id, kinds)
+        rows = self._db.execute(
+            "SELECT sandbox_id, kind, SUM(COALESCE(json_extract(detail, '$.count'), 1)) "
+            f"FROM events WHERE id>? {where} GROUP BY sandbox_id, kind",
+            (since_id, *args),
+        )
+        return [(r[0], r[1], int(r[2])) for r in rows]
 
     def sandbox_ids_with_labels(self, labels: dict[str, str]) -> list[str]:
         """Every sandbox, live or destroyed, whose labels include all of ``labels``."""
@@ -172,3 +192,15 @@ class StateStore:
             if all(have.get(k) == v for k, v in labels.items()):
                 out.append(sid)
         return out
+
+
+def _event_filter(sandbox_id: str | None, kinds: list[str] | None) -> tuple[str, list[object]]:
+    """SQL conditions (after ``id>?``) for one sandbox and/or some kinds."""
+    where, args = "", []  # type: tuple[str, list[object]]
+    if sandbox_id is not None:
+        where += " AND sandbox_id=?"
+        args.append(sandbox_id)
+    if kinds:
+        where += f" AND kind IN ({','.join('?' * len(kinds))})"
+        args.extend(kinds)
+    return where, args

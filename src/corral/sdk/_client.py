@@ -16,8 +16,18 @@ from pydantic import ValidationError
 
 from corral.errors import CorralError, InvalidRequest
 from corral.ops import NodeOps
+from corral.sdk._fncall import FnCall
 from corral.sdk._sandbox import Sandbox, invalid_request
-from corral.spec import Event, ImageInfo, LayerInfo, Limits, NodeStatus, SandboxSpec
+from corral.spec import (
+    Event,
+    EventSummary,
+    ImageInfo,
+    LayerInfo,
+    Limits,
+    NetworkPolicy,
+    NodeStatus,
+    SandboxSpec,
+)
 
 if TYPE_CHECKING:
     from corral.node import NodeConfig
@@ -70,6 +80,8 @@ class AsyncClient:
         """Images of the node's store."""
         self.sandboxes = Sandboxes(self)
         """Create, find and list sandboxes."""
+        self.fncall = FnCall(self)
+        """Short calls in warm pools: ``run``, ``judge``, ``map``."""
 
     def __repr__(self) -> str:
         return f"AsyncClient({self._where!r})"
@@ -99,11 +111,31 @@ class AsyncClient:
         sandbox_id: str | None = None,
         since_id: int = 0,
         labels: Mapping[str, str] | None = None,
+        kinds: Sequence[str] | None = None,
     ) -> builtins.list[Event]:
-        """Lifecycle and security events with ids above ``since_id``, oldest first."""
+        """Lifecycle and security events with ids above ``since_id``, oldest first;
+        ``kinds`` keeps only those kinds (e.g. ``["seccomp", "pids_limit"]``)."""
         ops = await self._get_ops()
         return await ops.events(
-            sandbox_id=sandbox_id, since_id=since_id, labels=dict(labels) if labels else None
+            sandbox_id=sandbox_id,
+            since_id=since_id,
+            labels=dict(labels) if labels else None,
+            kinds=_kinds(kinds),
+        )
+
+    async def events_summary(
+        self,
+        labels: Mapping[str, str] | None = None,
+        kinds: Sequence[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> EventSummary:
+        """How often each kind of event happened per sandbox and in total, e.g. for a job:
+        ``(await client.events_summary(labels={"job": "rl-42"})).totals`` is like
+        ``{"created": 8, "seccomp": 12}``; ``.sandboxes`` has the same per sandbox id.
+        """
+        ops = await self._get_ops()
+        return await ops.events_summary(
+            labels=dict(labels) if labels else None, kinds=_kinds(kinds), sandbox_id=sandbox_id
         )
 
     async def node_status(self) -> NodeStatus:
@@ -196,6 +228,9 @@ class Sandboxes:
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
         hostname: str | None = None,
+        idle_pause: float | None = None,
+        qos: str | None = None,
+        network: NetworkPolicy | Mapping[str, Any] | None = None,
     ) -> Sandbox:
         """Create a sandbox and wait until it runs.
 
@@ -211,6 +246,9 @@ class Sandboxes:
             "env": dict(env) if env is not None else None,
             "workdir": workdir,
             "hostname": hostname,
+            "idle_pause": idle_pause,
+            "qos": qos,
+            "network": network,
         }
         try:
             spec = SandboxSpec.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -228,3 +266,24 @@ class Sandboxes:
         ops = await self._client._get_ops()
         infos = await ops.sandbox_list(labels=dict(labels) if labels else None)
         return [Sandbox._wrap(ops, info) for info in infos]
+
+    async def pause(self, labels: Mapping[str, str]) -> builtins.list[Sandbox]:
+        """Pause every sandbox with all of ``labels`` in one call (a job, when its trainer
+        is preempted); returns the sandboxes now paused.
+
+        Example:
+            >>> await client.sandboxes.pause(labels={"job": "rl-42"})     # doctest: +SKIP
+        """
+        ops = await self._client._get_ops()
+        return [Sandbox._wrap(ops, i) for i in await ops.sandboxes_pause(dict(labels))]
+
+    async def resume(self, labels: Mapping[str, str]) -> builtins.list[Sandbox]:
+        """Resume every paused sandbox with all of ``labels``; returns those resumed."""
+        ops = await self._client._get_ops()
+        return [Sandbox._wrap(ops, i) for i in await ops.sandboxes_resume(dict(labels))]
+
+
+def _kinds(kinds: Sequence[str] | None) -> list[str] | None:
+    if isinstance(kinds, str):
+        raise InvalidRequest("kinds: give a list of event kinds, not one string")
+    return list(kinds) if kinds else None

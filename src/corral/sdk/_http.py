@@ -25,11 +25,17 @@ from corral.errors import (
 )
 from corral.ops import NodeOps
 from corral.spec import (
+    CallRequest,
+    CallResult,
+    JudgeRequest,
+    JudgeResult,
     Event,
+    EventSummary,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
     ImageInfo,
     LayerInfo,
     NodeStatus,
@@ -49,6 +55,8 @@ _RAW = {"content-type": "application/octet-stream"}
 # Slack added to a request's read timeout over the command's own timeout: the node needs
 # a moment to kill the command and answer after the deadline.
 _SLACK = 30.0
+# Snapshots pack a whole writable layer, forks start many sandboxes: no read deadline.
+_SLOW = httpx.Timeout(30.0, read=None, pool=None)
 
 _Images: TypeAdapter[list[ImageInfo]] = TypeAdapter(list[ImageInfo])
 _Layers: TypeAdapter[list[LayerInfo]] = TypeAdapter(list[LayerInfo])
@@ -197,6 +205,46 @@ class HTTPOps(NodeOps):
 
     async def sandbox_destroy(self, sandbox_id: str) -> None:
         await self._call("DELETE", self._sb(sandbox_id))
+
+    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
+        resp = await self._call("POST", self._sb(sandbox_id, "/pause"))
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
+        resp = await self._call("POST", self._sb(sandbox_id, "/resume"))
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        resp = await self._call("POST", "/sandboxes/pause", params=_labels(labels))
+        return _Sandboxes.validate_json(resp.content)
+
+    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        resp = await self._call("POST", "/sandboxes/resume", params=_labels(labels))
+        return _Sandboxes.validate_json(resp.content)
+
+    async def network_update(
+        self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
+    ) -> SandboxInfo:
+        resp = await self._call(
+            "POST", self._sb(sandbox_id, "/network"), json={"allow": allow, "deny": deny}
+        )
+        return SandboxInfo.model_validate_json(resp.content)
+
+    async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
+        resp = await self._call(
+            "POST", self._sb(sandbox_id, "/snapshot"), json={"name": name}, timeout=_SLOW
+        )
+        return ImageInfo.model_validate_json(resp.content)
+
+    async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
+        resp = await self._call(
+            "POST",
+            self._sb(sandbox_id, "/fork"),
+            content=req.model_dump_json(),
+            headers=_JSON,
+            timeout=_SLOW,
+        )
+        return _Sandboxes.validate_json(resp.content)
 
     # ----------------------------------------------------------------- exec
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
@@ -370,21 +418,62 @@ class HTTPOps(NodeOps):
 
     # ------------------------------------------------------ events and node
     async def events(
-        self, sandbox_id: str | None = None, since_id: int = 0, labels: dict[str, str] | None = None
+        self,
+        sandbox_id: str | None = None,
+        since_id: int = 0,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
     ) -> list[Event]:
+        kind_params = [("kind", k) for k in kinds or ()]
         if sandbox_id is not None and not labels:
             resp = await self._call(
-                "GET", self._sb(sandbox_id, "/events"), params=_params(since_id=since_id or None)
+                "GET",
+                self._sb(sandbox_id, "/events"),
+                params=[*([("since_id", str(since_id))] if since_id else []), *kind_params],
             )
         else:
-            params = [*_labels(labels), ("since_id", str(since_id))]
+            params = [*_labels(labels), ("since_id", str(since_id)), *kind_params]
             if sandbox_id is not None:
                 params.append(("sandbox_id", sandbox_id))
             resp = await self._call("GET", "/events", params=params)
         return _Events.validate_json(resp.content)
 
+    async def events_summary(
+        self,
+        labels: dict[str, str] | None = None,
+        kinds: list[str] | None = None,
+        sandbox_id: str | None = None,
+    ) -> EventSummary:
+        params = [*_labels(labels), *[("kind", k) for k in kinds or ()]]
+        if sandbox_id is not None:
+            params.append(("sandbox_id", sandbox_id))
+        resp = await self._call("GET", "/events/summary", params=params)
+        return EventSummary.model_validate_json(resp.content)
+
     async def node_status(self) -> NodeStatus:
         return NodeStatus.model_validate_json((await self._call("GET", "/node")).content)
+
+    # ------------------------------------------------------------- fncall
+    async def fncall_run(self, req: CallRequest) -> CallResult:
+        resp = await self._call(
+            "POST",
+            "/fncall/run",
+            content=req.model_dump_json(),
+            headers=_JSON,
+            # a compile step may come first (fncall.compile_limits, 40 s by default)
+            timeout=_read_timeout(req.limits.wall_time + 60),
+        )
+        return CallResult.model_validate_json(resp.content)
+
+    async def fncall_judge(self, req: JudgeRequest) -> JudgeResult:
+        resp = await self._call(
+            "POST",
+            "/fncall/judge",
+            content=req.model_dump_json(),
+            headers=_JSON,
+            timeout=_read_timeout(None),  # as long as its cases take
+        )
+        return JudgeResult.model_validate_json(resp.content)
 
     # ------------------------------------------------------------- terminal
     def pty(

@@ -16,17 +16,22 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from pydantic import ValidationError
 
 from corral.errors import InvalidRequest, NotFound, SandboxError
 from corral.ops import NodeOps
+from corral.sdk._network import Network
 from corral.spec import (
     Event,
     ExecChunk,
     ExecRequest,
     ExecResult,
     FileStat,
+    ForkRequest,
+    ImageInfo,
+    Limits,
     ProcessInfo,
     SandboxInfo,
     ShellInfo,
@@ -106,13 +111,17 @@ class Sandbox:
     ``async with sb:`` destroys the sandbox when the block ends.
     """
 
-    __slots__ = ("_ops", "_info", "_files")
+    __slots__ = ("_ops", "_info", "_files", "_network")
 
     def __init__(self, ops: NodeOps, info: SandboxInfo, _key: object = None) -> None:
         _check_key(_key, "Sandbox")
         self._ops = ops
         self._info = info
         self._files = Files(ops, info.id, _KEY)
+        self._network = Network(ops, info.id, self._set_info)
+
+    def _set_info(self, info: SandboxInfo) -> None:
+        self._info = info
 
     @classmethod
     def _wrap(cls, ops: NodeOps, info: SandboxInfo) -> Sandbox:
@@ -134,6 +143,11 @@ class Sandbox:
     @property
     def files(self) -> Files:
         return self._files
+
+    @property
+    def network(self) -> Network:
+        """Egress policy, changeable while the sandbox runs (``await sb.network.update(...)``)."""
+        return self._network
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, image={self._info.image!r}, state={self._info.state!r})"
@@ -227,11 +241,70 @@ class Sandbox:
         info = await self._ops.shell_open(self.id, cwd=cwd, env=dict(env) if env else None)
         return Shell(self._ops, self.id, info, _KEY)
 
-    async def events(self) -> builtins.list[Event]:
-        return await self._ops.events(sandbox_id=self.id)
+    async def events(self, kinds: Sequence[str] | None = None) -> builtins.list[Event]:
+        """This sandbox's lifecycle and security events, oldest first (only ``kinds``)."""
+        if isinstance(kinds, str):
+            raise InvalidRequest("kinds: give a list of event kinds, not one string")
+        return await self._ops.events(sandbox_id=self.id, kinds=list(kinds) if kinds else None)
 
     async def destroy(self) -> None:
         await self._ops.sandbox_destroy(self.id)
+
+    async def pause(self) -> SandboxInfo:
+        """Freeze every process and move the sandbox's memory to swap; all state stays.
+        Any later request (exec, files, shell) resumes it first, or call ``resume``."""
+        self._info = await self._ops.sandbox_pause(self.id)
+        return self._info
+
+    async def resume(self) -> SandboxInfo:
+        """Thaw a paused sandbox (memory comes back from swap as it is touched)."""
+        self._info = await self._ops.sandbox_resume(self.id)
+        return self._info
+
+    async def snapshot(self, name: str | None = None) -> ImageInfo:
+        """Pack this sandbox's filesystem changes into a new layer of the store and return
+        the image (this sandbox's image layers + that layer), named ``name`` or
+        ``snapshot/<id>:<UTC time>`` (an image of that name is replaced). The sandbox is
+        frozen for a few ms only; a paused one stays paused. Processes and shell sessions
+        are not part of it.
+
+        Example:
+            >>> snap = await sb.snapshot()                               # doctest: +SKIP
+            >>> copy = await client.sandboxes.create(image=snap)         # doctest: +SKIP
+        """
+        return await self._ops.sandbox_snapshot(self.id, name)
+
+    async def fork(
+        self,
+        n: int = 1,
+        *,
+        limits: Limits | Mapping[str, Any] | None = None,
+        labels: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> builtins.list[Sandbox]:
+        """``n`` new sandboxes that start from this sandbox's current files (copy-on-write,
+        cheap whatever their size). Processes are not cloned: each child boots a fresh
+        init. Children inherit this sandbox's spec except what is given here, and are
+        independent sandboxes afterwards. All or nothing: on failure none is left.
+
+        Example:
+            >>> kids = await sb.fork(8, labels={"branch": "try"})        # doctest: +SKIP
+        """
+        fields: dict[str, Any] = {
+            "count": n,
+            "limits": limits,
+            "labels": dict(labels) if labels is not None else None,
+            "env": dict(env) if env is not None else None,
+            "ttl": ttl,
+            "idle_timeout": idle_timeout,
+        }
+        try:
+            req = ForkRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
+        return [Sandbox._wrap(self._ops, i) for i in await self._ops.sandbox_fork(self.id, req)]
 
     async def __aenter__(self) -> Sandbox:
         return self

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from corral.ops import NodeOps
 from corral.sdk._client import AsyncClient, Images, Sandboxes
+from corral.sdk._fncall import FnCall
+from corral.sdk._network import Network
 from corral.sdk._sandbox import ExecStream, Files, Process, Sandbox, Shell
 
 if TYPE_CHECKING:
@@ -30,7 +32,18 @@ T = TypeVar("T")
 
 # Types whose instances are wrapped rather than returned as they are (models, bytes and
 # other plain values pass through unchanged).
-_HANDLES = (AsyncClient, Images, Sandboxes, Sandbox, ExecStream, Process, Shell, Files)
+_HANDLES = (
+    AsyncClient,
+    Images,
+    Sandboxes,
+    Sandbox,
+    ExecStream,
+    Process,
+    Shell,
+    Files,
+    Network,
+    FnCall,
+)
 
 
 class _Portal:
