@@ -120,10 +120,10 @@ EXPECTED: dict[str, set[int]] = {
     "pivot_root": {EPERM},
     "unshare_user": {EPERM},
     "unshare_mnt": {EPERM},
-    "mknod_chr": {EPERM},  # no CAP_MKNOD (and the devices cgroup)
+    "mknod_chr": {EPERM},  # seccomp (and no CAP_MKNOD, and the devices cgroup)
     "mknod_blk": {EPERM},
     "socket_packet": {EPERM},  # family not in the seccomp allowlist
-    "socket_raw": {EPERM},  # no CAP_NET_RAW
+    "socket_raw": {EPERM},  # seccomp (and no CAP_NET_RAW)
     "socket_vsock": {EPERM},
     "settimeofday": {EPERM},
     "sethostname": {EPERM},
@@ -155,7 +155,7 @@ EXPECTED: dict[str, set[int]] = {
 # Probe lines refused by seccomp that must leave a "seccomp" event naming the call.
 LOGGED_SYSCALLS = {
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "keyctl", "add_key",
-    "kexec_load", "init_module", "mount", "umount2", "pivot_root", "unshare", "socket",
+    "kexec_load", "init_module", "mount", "umount2", "pivot_root", "unshare", "socket", "mknodat",
     "settimeofday", "sethostname", "setdomainname", "reboot", "swapon", "syslog", "chroot",
     "open_by_handle_at", "pidfd_getfd",
 }  # fmt: skip
@@ -168,6 +168,9 @@ def _sysrq_lines() -> int:
 
 @pytest.mark.logs("seccomp", syscall="bpf")
 @pytest.mark.logs("seccomp", syscall="socket", what="AF_PACKET")
+@pytest.mark.logs("seccomp", syscall="socket", what="AF_INET SOCK_RAW")
+@pytest.mark.logs("seccomp", syscall="mknodat", what="S_IFCHR")
+@pytest.mark.logs("seccomp", syscall="mknodat", what="S_IFBLK")
 async def test_kernel_interfaces_refused(red_node, guest):  # type: ignore[no-untyped-def]
     hostname = socket.gethostname()
     sysrq_before = _sysrq_lines()

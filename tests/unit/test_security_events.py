@@ -43,6 +43,10 @@ def test_describe_call_names_the_deciding_argument() -> None:
     }
     key, d = describe_call(_call(41, 17, 3))  # socket(AF_PACKET, SOCK_RAW)
     assert key == "socket:17" and d["what"] == "AF_PACKET"
+    key, d = describe_call(_call(41, 2, 3 | 0o4000))  # socket(AF_INET, SOCK_RAW|NONBLOCK)
+    assert key == "socket:2:raw" and d["what"] == "AF_INET SOCK_RAW"
+    key, d = describe_call(_call(259, -100 & 0xFFFFFFFF, 0, 0o060600, 0))  # mknodat blk
+    assert key == "mknodat:0o60000" and d["what"] == "S_IFBLK"
     key, d = describe_call(_call(272, 0x10000000))  # unshare(CLONE_NEWUSER)
     assert key == "unshare:0x10000000"
 

@@ -79,8 +79,16 @@ def describe_call(call: SeccompCall) -> tuple[str, Detail]:
         key = f"ioctl:{cmd:#x}"
     elif name == "socket":
         fam = call.args[0] & 0xFFFFFFFF
-        detail.update(arg=fam, what=_FAMILIES.get(fam))
+        family: str | None = _FAMILIES.get(fam)
         key = f"socket:{fam}"
+        if fam in (2, 10) and call.args[1] & 0xF == 3:
+            family = ("AF_INET" if fam == 2 else "AF_INET6") + " SOCK_RAW"
+            key += ":raw"
+        detail.update(arg=fam, what=family)
+    elif name in ("mknod", "mknodat"):
+        mode = call.args[1 if name == "mknod" else 2] & 0o170000
+        detail.update(arg=f"{mode:#o}", what="S_IFBLK" if mode == 0o060000 else "S_IFCHR")
+        key = f"{name}:{mode:#o}"
     elif name in ("clone", "unshare", "setns"):
         flags = call.args[0] & 0xFFFFFFFF if name != "setns" else call.args[1] & 0xFFFFFFFF
         detail.update(arg=f"{flags:#x}")

@@ -120,8 +120,8 @@ _DOCKER_ALLOWED: tuple[str, ...] = (
     "landlock_add_rule", "landlock_create_ruleset", "landlock_restrict_self", "lchown",
     "lchown32", "lgetxattr", "link", "linkat", "listen", "listxattr", "llistxattr",
     "_llseek", "lremovexattr", "lseek", "lsetxattr", "lstat", "lstat64", "madvise",
-    "membarrier", "memfd_create", "memfd_secret", "mincore", "mkdir", "mkdirat", "mknod",
-    "mknodat", "mlock", "mlock2", "mlockall", "mmap", "mmap2", "mprotect", "mq_getsetattr",
+    "membarrier", "memfd_create", "memfd_secret", "mincore", "mkdir", "mkdirat",
+    "mlock", "mlock2", "mlockall", "mmap", "mmap2", "mprotect", "mq_getsetattr",
     "mq_notify", "mq_open", "mq_timedreceive", "mq_timedreceive_time64", "mq_timedsend",
     "mq_timedsend_time64", "mq_unlink", "mremap", "msgctl", "msgget", "msgrcv", "msgsnd",
     "msync", "munlock", "munlockall", "munmap", "name_to_handle_at", "nanosleep",
@@ -407,6 +407,47 @@ _CLONE_NS_MASK = 0x7E020000
 _PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 
 
+# mknod(2)/mknodat(2): regular files, fifos and sockets are fine; character and block
+# devices are refused (no CAP_MKNOD in the host namespace anyway) and, with a listener,
+# recorded. The mode is argument 1 of mknod and 2 of mknodat.
+_S_IFMT = 0o170000
+_MKNOD_OK = (0, 0o100000, 0o010000, 0o140000)  # unspecified (= regular), S_IFREG, FIFO, SOCK
+_MKNOD_DEVICES = (0o020000, 0o060000)  # S_IFCHR, S_IFBLK
+_MKNOD_MODE_ARG = {"mknod": 1, "mknodat": 2}
+# socket(2) types for the allowed IP families: all but SOCK_RAW (3), which needs CAP_NET_RAW
+# the guest does not have; raw sockets are refused here so that the attempt is recorded.
+_SOCK_TYPE_MASK = 0xF
+_SOCK_RAW = 3
+_IP_SOCKET_TYPES = (1, 2, 4, 5, 6, 10)  # STREAM, DGRAM, RDM, SEQPACKET, DCCP, PACKET
+_IP_FAMILIES = (2, 10)  # AF_INET, AF_INET6
+
+
+def _mknod_rules(action: str, kinds: tuple[int, ...]) -> list[dict[str, Any]]:
+    return [
+        _rule(
+            [name],
+            action,
+            [{"index": i, "value": _S_IFMT, "valueTwo": k, "op": "SCMP_CMP_MASKED_EQ"}],
+        )
+        for name, i in _MKNOD_MODE_ARG.items()
+        for k in kinds
+    ]
+
+
+def _socket_rule(action: str, fam: int, sock_type: int | None = None) -> dict[str, Any]:
+    args = [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}]
+    if sock_type is not None:
+        args.append(
+            {
+                "index": 1,
+                "value": _SOCK_TYPE_MASK,
+                "valueTwo": sock_type,
+                "op": "SCMP_CMP_MASKED_EQ",
+            }
+        )
+    return _rule(["socket"], action, args)
+
+
 def _rule(
     names: list[str],
     action: str,
@@ -433,14 +474,9 @@ def _notify_rules() -> list[dict[str, Any]]:
         )
         for flag in (1 << b for b in range(32) if _CLONE_NS_MASK >> b & 1)
     ]
-    rules += [
-        _rule(
-            ["socket"],
-            "SCMP_ACT_NOTIFY",
-            [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}],
-        )
-        for fam in NOTIFY_SOCKET_FAMILIES
-    ]
+    rules += [_socket_rule("SCMP_ACT_NOTIFY", fam) for fam in NOTIFY_SOCKET_FAMILIES]
+    rules += [_socket_rule("SCMP_ACT_NOTIFY", fam, _SOCK_RAW) for fam in _IP_FAMILIES]
+    rules += _mknod_rules("SCMP_ACT_NOTIFY", _MKNOD_DEVICES)
     rules.append(
         _rule(
             ["seccomp"],
@@ -516,13 +552,14 @@ def _build(
     # 0xffffffff00000028 would slip AF_VSOCK past a 64-bit "!= 40" test (as in Docker's).
     # For MASKED_EQ, OCI "value" is the mask and "valueTwo" the datum (runc/libseccomp).
     syscalls += [
-        _rule(
-            ["socket"],
-            "SCMP_ACT_ALLOW",
-            [{"index": 0, "value": _LOW32, "valueTwo": fam, "op": "SCMP_CMP_MASKED_EQ"}],
-        )
+        _socket_rule("SCMP_ACT_ALLOW", fam)
         for fam in ALLOWED_SOCKET_FAMILIES.values()
+        if fam not in _IP_FAMILIES
     ]
+    syscalls += [
+        _socket_rule("SCMP_ACT_ALLOW", fam, t) for fam in _IP_FAMILIES for t in _IP_SOCKET_TYPES
+    ]
+    syscalls += _mknod_rules("SCMP_ACT_ALLOW", _MKNOD_OK)
     syscalls += [
         _rule(
             ["ioctl"],
