@@ -151,6 +151,47 @@ def test_worker_source_is_stdlib_only() -> None:
     assert names <= set(sys.stdlib_module_names), names - set(sys.stdlib_module_names)
 
 
+_FAULTS = """
+import os, resource, sys
+
+def child_faults():
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+    pid = os.fork()
+    if pid == 0:
+        compile("print(1)", "main.py", "exec")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
+
+cold = child_faults()  # before importing the worker: that may compile it
+sys.path.insert(0, sys.argv[1])
+import worker
+worker._warm(worker.ctypes.CDLL(None, use_errno=True))
+print(cold, child_faults())
+"""
+
+
+def test_worker_warm_up_spares_forked_calls_page_faults() -> None:
+    # A call's child copies on write every page it touches: the first compile() of a
+    # process touches ~2x the pages of later ones, so the worker does it once, for all.
+    import py_compile
+    import subprocess
+
+    # The child imports the worker from its .pyc: compiling worker.py there would warm
+    # the compiler before _warm runs, and hide whether it does anything.
+    py_compile.compile(worker.__file__, doraise=True)
+
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", _FAULTS, str(Path(worker.__file__).parent)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    cold, warm = map(int, out.split())
+    assert warm * 1.5 < cold, (cold, warm)
+
+
 # ----------------------------------------------------------------------------- models, config
 def test_call_limits_parse_sizes_and_refuse_nonsense() -> None:
     lim = corral.CallLimits(memory="64MiB", output="1KiB")
