@@ -58,7 +58,7 @@ async def test_latency_class_is_normal(node: Node):
     try:
         assert sched.policy_of(info.pid) == "other"  # type: ignore[arg-type]
         knobs = node.cgroups.cpu_class(info.id)
-        assert knobs.get("idle", 0) == 0 and knobs["weight"] in (100, 1024), knobs
+        assert knobs.get("idle", 0) == 0 and knobs["weight"] in (10000, 262144), knobs
         r = await node.exec(info.id, ExecRequest(cmd=["python3", "-c", PROBE]))
         assert r.stdout.decode().splitlines()[0] == str(os.SCHED_OTHER)
     finally:

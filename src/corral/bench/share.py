@@ -12,7 +12,12 @@ with the layer files evicted from the page cache (fadvise DONTNEED on those file
 and with no layer mounted. ``ratio`` = shared / copied (smaller is better).
 
 The program is Python (``python3``, importing a broad set of the standard library) when the
-image has it, else perl; the JSON says which.
+image has it, else perl; the JSON says which. When the image's Python has numpy (a pip
+toolkit layer, e.g. ``corral image build pip --req numpy==2.2.6 --on py/debian``), the main
+program is a numpy one (imports numpy and runs a matrix product, an SVD and an FFT, so its
+compiled extensions and OpenBLAS are mapped and used): a toolkit layer's shared objects are
+what dominates a sandbox's file-backed memory. The stdlib-only program is then measured too,
+as a second data point (``stdlib``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,23 @@ _PY = (
     "open('/tmp/ready', 'w').close()\nimport time\ntime.sleep(86400)\n"
 )
 _PERL = "open(F, '>/tmp/ready'); close F; sleep 86400;"
+_NUMPY = (
+    "import numpy as np\n"
+    "rng = np.random.default_rng(0)\n"
+    "a = rng.random((256, 256))\n"
+    "b = a @ a.T\n"
+    "u, s, vt = np.linalg.svd(a[:128, :128])\n"
+    "f = np.fft.rfft(a[0])\n"
+    "assert b.shape == (256, 256) and s.shape == (128,) and f.shape == (129,)\n"
+    "try:\n"  # scipy too when the toolkit has it: its compiled modules are the bulk
+    "    import scipy.linalg, scipy.optimize, scipy.sparse, scipy.signal, scipy.stats\n"
+    "    scipy.linalg.lu(a[:64, :64])\n"
+    "    scipy.optimize.minimize(lambda x: ((x - 1.0) ** 2).sum(), np.zeros(4))\n"
+    "    scipy.signal.lfilter([1.0, -0.5], [1.0], a[0])\n"
+    "    scipy.stats.norm.cdf(a[0])\n"
+    "except ImportError:\n"
+    "    pass\n" + _PY
+)
 _LABEL = "corral-bench-share"
 
 
@@ -92,6 +114,19 @@ def _remove_copies(store: LayerStore, copies: list[ImageInfo], keep: set[str]) -
                     store.remove_layer(d)
 
 
+def _pss(pid: int) -> int:
+    """Proportional set size of ``pid`` in bytes (a page mapped by k processes counts
+    1/k to each; page cache nobody maps is not in it), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 async def _wait_ready(sb: Sandbox) -> None:
     deadline = time.monotonic() + 120
     while True:
@@ -125,17 +160,20 @@ async def _phase(
             avail1 = hostmem.sample().available
             kinds = {"anon": 0, "file": 0, "kernel": 0}
             cg = Cgroups(opts.subtree)
+            pss = 0
             for sb in sbs:
                 with contextlib.suppress(CorralError):
                     for k, v in cg.memory_breakdown(sb.id).items():
                         if k in kinds:
                             kinds[k] += v
+                    pss += sum(_pss(pid) for pid in cg.procs(sb.id))
         finally:
             await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
     return {
         "mib": round(sum(charged) / MIB, 1),
         "per_sandbox_mib": [round(c / MIB, 1) for c in charged],
         "mem_available_drop_mib": round((avail0 - avail1) / MIB, 1),
+        "pss_mib": round(pss / MIB, 1),
         **{f"{k}_mib": round(v / MIB, 1) for k, v in kinds.items()},
     }
 
@@ -150,27 +188,51 @@ async def share(opts: BenchOptions, count: int) -> dict[str, Any]:
             probe = await client.sandboxes.create(image=image, labels={_LABEL: "probe"})
             try:
                 has_py = (await probe.exec(["python3", "-c", "pass"])).ok
+                has_np = has_py and (await probe.exec(["python3", "-c", "import numpy"])).ok
+                has_sp = has_np and (await probe.exec(["python3", "-c", "import scipy"])).ok
             finally:
                 await probe.destroy()
-        argv = ["python3", "-c", _PY] if has_py else ["perl", "-e", _PERL]
-        out["program"] = "python3 (stdlib imports)" if has_py else "perl"
+        programs: dict[str, tuple[str, list[str]]] = {}
+        if has_np:
+            what = "numpy and scipy" if has_sp else "numpy"
+            programs["main"] = (f"python3 ({what} from a toolkit layer)", ["python3", "-c", _NUMPY])
+            programs["stdlib"] = ("python3 (stdlib imports)", ["python3", "-c", _PY])
+        elif has_py:
+            programs["main"] = ("python3 (stdlib imports)", ["python3", "-c", _PY])
+        else:
+            programs["main"] = ("perl", ["perl", "-e", _PERL])
+        out["program"] = programs["main"][0]
         say(f"making {count} private copies of {len(image.layers)} layer(s)")
         copies = await asyncio.to_thread(_private_copies, store, image, count)
+        results: dict[str, dict[str, Any]] = {}
         try:
-            say(f"shared: {count} sandboxes of {image.name}")
-            shared = await _phase(opts, store, [image] * count, argv)
-            say(f"copied: {count} sandboxes, each from its own copy")
-            copied = await _phase(opts, store, copies, argv)
+            for key, (what, argv) in programs.items():
+                say(f"{what}: shared: {count} sandboxes of {image.name}")
+                shared = await _phase(opts, store, [image] * count, argv)
+                say(f"{what}: copied: {count} sandboxes, each from its own copy")
+                copied = await _phase(opts, store, copies, argv)
+                results[key] = _result(what, shared, copied)
         finally:
             await asyncio.to_thread(_remove_copies, store, copies, set(image.layers))
-        out.update(
-            {
-                "shared_mib": shared["mib"],
-                "copied_mib": copied["mib"],
-                "ratio": round(shared["mib"] / copied["mib"], 3) if copied["mib"] else None,
-                "shared": shared,
-                "copied": copied,
-                "measure": "sum of the sandboxes' memory cgroup charges (anon + page cache)",
-            }
-        )
+        out.update(results.pop("main"))
+        out.update(results)
+        out["measure"] = "sum of the sandboxes' memory cgroup charges (anon + page cache)"
         return out
+
+
+def _result(what: str, shared: dict[str, Any], copied: dict[str, Any]) -> dict[str, Any]:
+    """One program's figures: by cgroup charges (``ratio``) and by the host's
+    MemAvailable drop (``ratio_mem_available``, noisier: the whole host moves it)."""
+    drop_s, drop_c = shared["mem_available_drop_mib"], copied["mem_available_drop_mib"]
+    return {
+        "program": what,
+        "shared_mib": shared["mib"],
+        "copied_mib": copied["mib"],
+        "ratio": round(shared["mib"] / copied["mib"], 3) if copied["mib"] else None,
+        "ratio_mem_available": round(drop_s / drop_c, 3) if drop_c > 0 else None,
+        "ratio_pss": (
+            round(shared["pss_mib"] / copied["pss_mib"], 3) if copied["pss_mib"] else None
+        ),
+        "shared": shared,
+        "copied": copied,
+    }

@@ -498,7 +498,10 @@ class Cgroups:
     def set_cpu_class(self, name: str, best_effort: bool) -> None:
         """Best effort: the cgroup runs only when nothing else wants the CPU (``cpu.idle``,
         i.e. SCHED_IDLE for the whole group; minimum weight where the kernel lacks it).
-        Otherwise the normal weight."""
+        Otherwise the maximum weight (v1 cpu.shares 262144, v2 cpu.weight 10000): an idle
+        group still weighs 3 to the scheduler, so N best-effort siblings at the normal
+        weight 1024 would win an EEVDF pick (and then hold the CPU a whole tick) N*3/1024
+        as often as a latency sandbox; at the maximum they need N*3/262144."""
         d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
         idle = d / "cpu.idle"
         if idle.exists():
@@ -506,9 +509,9 @@ class Cgroups:
             if best_effort:
                 return
         if self.mode == "v2":
-            self._write(d / "cpu.weight", "1" if best_effort else "100")
+            self._write(d / "cpu.weight", "1" if best_effort else "10000")
         else:
-            self._write(d / "cpu.shares", "2" if best_effort else "1024")
+            self._write(d / "cpu.shares", "2" if best_effort else "262144")
 
     def cpu_class(self, name: str) -> dict[str, int]:
         """The cgroup's cpu scheduling knobs: ``idle`` (if the kernel has it) and
