@@ -32,6 +32,7 @@ A policy update is one nft transaction (~1 ms), applied while the sandbox runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import ipaddress
@@ -103,6 +104,16 @@ class NodeNetwork:
         self._dns_seen: dict[tuple[str, str], float] = {}
         self._lock = asyncio.Lock()
         self._next_host = 2
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _nft_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One worker thread for nft transactions that overlap netlink work (libnftables
+        releases the GIL while the kernel works); started on first use."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="corral-nft"
+            )
+        return self._executor
 
     # ------------------------------------------------------------------ config checks
     @property
@@ -183,6 +194,9 @@ class NodeNetwork:
         if self._links is not None:
             await self._links.close()
             self._links = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._nft is not None:
             self._nft.close()
             self._nft = None
@@ -235,11 +249,22 @@ class NodeNetwork:
             sb = _SbNet(sandbox_id, address, compiled, _new_mark())
             self._sb[sandbox_id] = sb
             self._by_addr[address] = sandbox_id
+            # The nft transaction (chain, sets, the veth's entries) runs in the node's nft
+            # thread while this one wires the veth; the host end goes up only once the
+            # kernel has the rules for it, so nothing passes unguarded.
+            text = self._sandbox_batch(sb, create=True)
+            job = self._nft_thread().submit(self._nft_run, text)
+            rules = asyncio.wrap_future(job)
             try:
-                self._nft_run(self._sandbox_batch(sb, create=True))
                 assert self._links is not None
-                await self._links.attach_veth(veth_name(sandbox_id), pid, address, self.gateway)
+                await self._links.attach_veth(
+                    veth_name(sandbox_id), pid, address, self.gateway, ready=rules
+                )
             except BaseException:
+                # _forget must not race the thread's transaction (even when cancelled);
+                # a refusal nobody awaited is retrieved, not logged as lost.
+                concurrent.futures.wait([job])
+                rules.add_done_callback(lambda f: f.cancelled() or f.exception())
                 await self._forget(sandbox_id)
                 raise
         ms = round((time.perf_counter() - t0) * 1000, 3)
