@@ -270,6 +270,16 @@ class SandboxInfo(_Model):
     memory_swapped: int | None = None
     """Bytes of the sandbox's memory in swap now (cgroup figure; set by ``get``)."""
 
+    def image_info(self) -> ImageInfo:
+        """The image this sandbox was created from, as it was then: its own layers and env
+        (the image name may have been re-pointed or removed since)."""
+        return ImageInfo(
+            name=self.image,
+            digest=self.image_digest,
+            layers=list(self.layers),
+            env=dict(self.image_env),
+        )
+
 
 ExitReason = Literal["exited", "signaled", "timeout", "oom", "output_limit"]
 

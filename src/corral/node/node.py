@@ -246,7 +246,7 @@ class Node:
         counts: dict[str, int] = {}
         lost: list[SandboxInfo] = []
         for info in self.state.live_sandboxes():
-            image = _image_of(info)
+            image = info.image_info()
             adoptable = info.state in ("running", "pausing", "paused", "resuming")
             if adoptable and await self.backend.adopt(info.id, image):
                 self._live[info.id] = info
@@ -546,7 +546,7 @@ class Node:
         with contextlib.suppress(Exception):
             self.security.before_destroy(sid, info.spec.limits.disk)
         try:
-            await self.backend.destroy(sid, _image_of(info))
+            await self.backend.destroy(sid, info.image_info())
         except CorralError as e:
             self.state.add_event(sid, "destroy_error", {"error": e.message[:2000]})
             log.error("%s", e.message)
@@ -1138,10 +1138,6 @@ class _BusyStream:
 
 def _plausible_id(sandbox_id: str) -> bool:
     return sandbox_id.startswith("sb-") and len(sandbox_id) <= 64
-
-
-def _image_of(info: SandboxInfo) -> ImageInfo:
-    return ImageInfo(name=info.image, digest=info.image_digest, layers=info.layers)
 
 
 def _eager_resolver(store: LayerStore, local: Path):  # type: ignore[no-untyped-def]

@@ -81,12 +81,12 @@ def describe_call(call: SeccompCall) -> tuple[str, Detail]:
         fam = call.args[0] & 0xFFFFFFFF
         family: str | None = _FAMILIES.get(fam)
         key = f"socket:{fam}"
-        if fam in (2, 10) and call.args[1] & 0xF == 3:
-            family = ("AF_INET" if fam == 2 else "AF_INET6") + " SOCK_RAW"
+        if fam in policy.IP_FAMILIES and call.args[1] & policy.SOCK_TYPE_MASK == policy.SOCK_RAW:
+            family = policy.IP_FAMILIES[fam] + " SOCK_RAW"
             key += ":raw"
         detail.update(arg=fam, what=family)
     elif name in ("mknod", "mknodat"):
-        mode = call.args[1 if name == "mknod" else 2] & 0o170000
+        mode = call.args[policy.MKNOD_MODE_ARG[name]] & policy.S_IFMT
         detail.update(arg=f"{mode:#o}", what="S_IFBLK" if mode == 0o060000 else "S_IFCHR")
         key = f"{name}:{mode:#o}"
     elif name in ("clone", "unshare", "setns"):

@@ -29,7 +29,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -102,14 +102,26 @@ async def _copy(node: Node, sandbox_id: str, dst: str) -> float:
         return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _scratch_temp(node: Node, kind: str) -> Iterator[str]:
+    """A name for a temporary subvolume on the scratch fs, protected from gc while in use
+    and deleted (if it was made) afterwards."""
+    name = _work_name(kind)
+    node._scratch_work.add(name)
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(CorralError):
+            node.scratch.delete_subvol(name)
+        node._scratch_work.discard(name)
+
+
 async def snapshot(node: Node, sandbox_id: str, name: str | None = None) -> ImageInfo:
     """Pack the sandbox's filesystem changes into a new layer; returns the new image."""
     info = _source(node, sandbox_id)
     name = _default_name(sandbox_id) if name is None else check_image_name(name)
-    work = _work_name("snap")
-    node._scratch_work.add(work)
     t0 = time.perf_counter()
-    try:
+    with _scratch_temp(node, "snap") as work:
         frozen = await _copy(node, sandbox_id, work)
         copied = time.perf_counter()
         inverse = UserNamespace.create(node.config.host_uid, node.config.id_count, inverse=True)
@@ -136,10 +148,6 @@ async def snapshot(node: Node, sandbox_id: str, name: str | None = None) -> Imag
             env=dict(info.image_env),
             workdir=info.spec.workdir,
         )
-    finally:
-        with contextlib.suppress(CorralError):
-            node.scratch.delete_subvol(work)
-        node._scratch_work.discard(work)
     node.state.add_event(
         sandbox_id,
         "snapshot",
@@ -201,49 +209,40 @@ async def fork(node: Node, sandbox_id: str, req: ForkRequest) -> list[SandboxInf
             f"node {node.node_id} has room for {max(free, 0)} more sandbox(es), not "
             f"{req.count} (max_sandboxes={node.config.max_sandboxes})"
         )
-    # The parent's own layers, not its image name's current ones: the name may have been
-    # re-pointed (or removed) since the parent was created.
-    image = ImageInfo(
-        name=parent.image,
-        digest=parent.image_digest,
-        layers=list(parent.layers),
-        env=dict(parent.image_env),
-    )
-    base = _work_name("fork")
-    node._scratch_work.add(base)
-    made: list[SandboxInfo] = []
-    failed = False
-    sem = asyncio.Semaphore(FORK_CONCURRENCY)
+    # The parent's own layers, not its image name's current ones.
+    image = parent.image_info()
+    with _scratch_temp(node, "fork") as base:
+        made: list[SandboxInfo] = []
+        failed = False
+        sem = asyncio.Semaphore(FORK_CONCURRENCY)
 
-    async def one() -> None:
-        nonlocal failed
-        async with sem:
-            if failed:
-                return  # another child failed: do not start more that would be undone
-            try:
-                info = await node._create_sandbox(
-                    spec, image, fork_base=base, forked_from=sandbox_id
-                )
-            except BaseException:
-                failed = True
-                raise
-            made.append(info)
+        async def one() -> None:
+            nonlocal failed
+            async with sem:
+                if failed:
+                    return  # another child failed: do not start more that would be undone
+                try:
+                    info = await node._create_sandbox(
+                        spec, image, fork_base=base, forked_from=sandbox_id
+                    )
+                except BaseException:
+                    failed = True
+                    raise
+                made.append(info)
 
-    frozen = 0.0
-    try:
-        frozen = await _copy(node, sandbox_id, base)
-        await _in_thread(_reset_base, node.scratch.mountpoint / base)
-        results = await asyncio.gather(*(one() for _ in range(req.count)), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
-    except BaseException:
-        await asyncio.shield(_destroy_all(node, made))
-        raise
-    finally:
-        with contextlib.suppress(CorralError):
-            node.scratch.delete_subvol(base)
-        node._scratch_work.discard(base)
+        frozen = 0.0
+        try:
+            frozen = await _copy(node, sandbox_id, base)
+            await _in_thread(_reset_base, node.scratch.mountpoint / base)
+            results = await asyncio.gather(
+                *(one() for _ in range(req.count)), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException:
+            await asyncio.shield(_destroy_all(node, made))
+            raise
     node.state.add_event(
         sandbox_id,
         "forked",

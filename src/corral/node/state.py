@@ -10,8 +10,9 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import get_args
 
-from corral.spec import Event, SandboxInfo
+from corral.spec import Event, SandboxInfo, SandboxState
 
 __all__ = ["StateStore"]
 
@@ -44,16 +45,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id, id);
 """
 
-_LIVE = (
-    "creating",
-    "running",
-    "pausing",
-    "paused",
-    "resuming",
-    "stopped",
-    "destroying",
-    "failed",
-)
+_LIVE = tuple(st for st in get_args(SandboxState) if st != "destroyed")
 
 
 class StateStore:

@@ -410,16 +410,16 @@ _PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 # mknod(2)/mknodat(2): regular files, fifos and sockets are fine; character and block
 # devices are refused (no CAP_MKNOD in the host namespace anyway) and, with a listener,
 # recorded. The mode is argument 1 of mknod and 2 of mknodat.
-_S_IFMT = 0o170000
+S_IFMT = 0o170000
 _MKNOD_OK = (0, 0o100000, 0o010000, 0o140000)  # unspecified (= regular), S_IFREG, FIFO, SOCK
 _MKNOD_DEVICES = (0o020000, 0o060000)  # S_IFCHR, S_IFBLK
-_MKNOD_MODE_ARG = {"mknod": 1, "mknodat": 2}
+MKNOD_MODE_ARG = {"mknod": 1, "mknodat": 2}
 # socket(2) types for the allowed IP families: all but SOCK_RAW (3), which needs CAP_NET_RAW
 # the guest does not have; raw sockets are refused here so that the attempt is recorded.
-_SOCK_TYPE_MASK = 0xF
-_SOCK_RAW = 3
+SOCK_TYPE_MASK = 0xF
+SOCK_RAW = 3
 _IP_SOCKET_TYPES = (1, 2, 4, 5, 6, 10)  # STREAM, DGRAM, RDM, SEQPACKET, DCCP, PACKET
-_IP_FAMILIES = (2, 10)  # AF_INET, AF_INET6
+IP_FAMILIES = {2: "AF_INET", 10: "AF_INET6"}
 
 
 def _mknod_rules(action: str, kinds: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -427,9 +427,9 @@ def _mknod_rules(action: str, kinds: tuple[int, ...]) -> list[dict[str, Any]]:
         _rule(
             [name],
             action,
-            [{"index": i, "value": _S_IFMT, "valueTwo": k, "op": "SCMP_CMP_MASKED_EQ"}],
+            [{"index": i, "value": S_IFMT, "valueTwo": k, "op": "SCMP_CMP_MASKED_EQ"}],
         )
-        for name, i in _MKNOD_MODE_ARG.items()
+        for name, i in MKNOD_MODE_ARG.items()
         for k in kinds
     ]
 
@@ -440,7 +440,7 @@ def _socket_rule(action: str, fam: int, sock_type: int | None = None) -> dict[st
         args.append(
             {
                 "index": 1,
-                "value": _SOCK_TYPE_MASK,
+                "value": SOCK_TYPE_MASK,
                 "valueTwo": sock_type,
                 "op": "SCMP_CMP_MASKED_EQ",
             }
@@ -475,7 +475,7 @@ def _notify_rules() -> list[dict[str, Any]]:
         for flag in (1 << b for b in range(32) if _CLONE_NS_MASK >> b & 1)
     ]
     rules += [_socket_rule("SCMP_ACT_NOTIFY", fam) for fam in NOTIFY_SOCKET_FAMILIES]
-    rules += [_socket_rule("SCMP_ACT_NOTIFY", fam, _SOCK_RAW) for fam in _IP_FAMILIES]
+    rules += [_socket_rule("SCMP_ACT_NOTIFY", fam, SOCK_RAW) for fam in IP_FAMILIES]
     rules += _mknod_rules("SCMP_ACT_NOTIFY", _MKNOD_DEVICES)
     rules.append(
         _rule(
@@ -554,10 +554,10 @@ def _build(
     syscalls += [
         _socket_rule("SCMP_ACT_ALLOW", fam)
         for fam in ALLOWED_SOCKET_FAMILIES.values()
-        if fam not in _IP_FAMILIES
+        if fam not in IP_FAMILIES
     ]
     syscalls += [
-        _socket_rule("SCMP_ACT_ALLOW", fam, t) for fam in _IP_FAMILIES for t in _IP_SOCKET_TYPES
+        _socket_rule("SCMP_ACT_ALLOW", fam, t) for fam in IP_FAMILIES for t in _IP_SOCKET_TYPES
     ]
     syscalls += _mknod_rules("SCMP_ACT_ALLOW", _MKNOD_OK)
     syscalls += [
