@@ -204,7 +204,12 @@ _V1_FILES: dict[str, dict[str, str]] = {
         "memory.usage_in_bytes": "0\n",
         "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
     },
-    "cpu": {"cpu.cfs_period_us": "100000\n", "cpu.cfs_quota_us": "-1\n", "cpu.shares": "1024\n"},
+    "cpu": {
+        "cpu.cfs_period_us": "100000\n",
+        "cpu.cfs_quota_us": "-1\n",
+        "cpu.shares": "1024\n",
+        "cpu.idle": "0\n",
+    },
     "cpuacct": {"cpuacct.usage": "0\n"},
     "pids": {"pids.max": "max\n", "pids.current": "0\n"},
     "freezer": {"freezer.state": "THAWED\n"},
@@ -438,6 +443,10 @@ class FakeKernel:
                 self.set_frozen_event(d, text.strip() == "1")
         elif name in ("memory.max", "memory.high", "memory.swap.max", "pids.max"):
             path.write_text(_limit(text, path) + "\n")
+        elif name == "cpu.weight":
+            if not text.strip().isdigit() or not 1 <= int(text) <= 10000:
+                raise _err(errno.EINVAL, path)
+            path.write_text(f"{int(text)}\n")
         elif name == "cpu.max":
             parts = text.split()
             if not 1 <= len(parts) <= 2 or (parts[0] != "max" and not parts[0].isdigit()):
@@ -516,6 +525,14 @@ class FakeKernel:
             path.write_text(f"{int(text)}\n")
         elif name == "pids.max":
             path.write_text(_limit(text, path) + "\n")
+        elif name == "cpu.idle":
+            if text.strip() not in ("0", "1"):
+                raise _err(errno.EINVAL, path)
+            path.write_text(text.strip() + "\n")
+        elif name == "cpu.shares":
+            if not text.strip().isdigit():
+                raise _err(errno.EINVAL, path)
+            path.write_text(f"{min(max(int(text), 2), 262144)}\n")
         elif name == "freezer.state":
             want = text.strip()
             if want not in ("FROZEN", "THAWED"):
@@ -977,6 +994,58 @@ def test_v1_list_and_remove_touch_only_the_subtree(
     cg.remove_subtree_if_empty()
     assert not any((r / "corral").exists() for r in cg.all_roots) and cg.list() == []
     assert snapshot(k.root, skip="corral") == before
+
+
+def test_v1_cpu_classes(make_kernel: KernelFactory, v1mode: str) -> None:
+    """The subtree is idle in the cpu hierarchy; a latency sandbox's init moves to the
+    normal ``<subtree>-latency`` sibling there (with its quota), and only there."""
+    k = make_kernel(v1mode)
+    cg = open_cg(k, "mountinfo")
+    cpu = k.path("cpu")
+    cg.create("sb-be", cpus=1, memory=1 << 30, pids=10)
+    cg.create("sb-lat", cpus=1.5, memory=1 << 30, pids=10)
+    assert read(cpu / "corral" / "cpu.idle") == "1"
+    for sb, pid in (("sb-be", 7), ("sb-lat", 8)):
+        cg.add_pid(sb, pid)
+    cg.set_cpu_class("sb-be", True, 7)
+    assert cg.cpu_class("sb-be") == {"weight": 1024, "idle": 0, "group_idle": 1}
+    with pytest.raises(HostError, match="needs its init pid"):
+        cg.set_cpu_class("sb-lat", False)
+    cg.set_cpu_class("sb-lat", False, 8)
+    moved = cpu / "corral-latency" / "sb-lat"
+    assert read(moved / "cgroup.procs") == "8"
+    assert read(cpu / "corral" / "sb-lat" / "cgroup.procs") == ""
+    assert read(moved / "cpu.cfs_quota_us") == "150000"
+    assert read(cpu / "corral-latency" / "cpu.idle") == "0"
+    assert cg.cpu_class("sb-lat") == {"weight": 1024, "idle": 0, "group_idle": 0}
+    assert cg.control_file("cpuacct", "sb-lat", "cpuacct.usage").parent == moved  # co-mounted
+    # the other controllers stay where the runtime made them
+    assert cg.procs("sb-lat") == [8]
+    assert read(k.path("memory") / "corral" / "sb-lat" / "cgroup.procs") == "8"
+    assert cg.list() == ["sb-be", "sb-lat"]
+    for procs in k.root.rglob("cgroup.procs"):  # the inits exited
+        procs.write_text("")
+    cg.remove("sb-lat")
+    assert not moved.exists() and cg.list() == ["sb-be"]
+    cg.remove("sb-be")
+    cg.remove_subtree_if_empty()
+    assert not (cpu / "corral").exists() and not (cpu / "corral-latency").exists()
+    # made again after removal: idle again
+    cg.create("sb-2", cpus=1, memory=1 << 30, pids=10)
+    assert read(cpu / "corral" / "cpu.idle") == "1"
+
+
+def test_v2_cpu_classes(make_kernel: KernelFactory) -> None:
+    """v2 has one hierarchy: the sandbox cgroup itself is idle, or has the maximum weight."""
+    k = make_kernel("v2")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-be", cpus=1, memory=1 << 30, pids=10)
+    cg.create("sb-lat", cpus=1, memory=1 << 30, pids=10)
+    cg.set_cpu_class("sb-be", True, 7)
+    cg.set_cpu_class("sb-lat", False, 8)
+    assert cg.cpu_class("sb-be")["weight"] == 1
+    assert cg.cpu_class("sb-lat")["weight"] == 10000
+    assert not (k.root / "corral-latency").exists()
 
 
 def test_v1_create_fails_cleanly(make_kernel: KernelFactory) -> None:

@@ -223,6 +223,9 @@ class ContainerBackend:
                 self._release_owner(sandbox_id)
             rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
             oci.write_bundle(d, config)
+            # After the runtime's delete (undo runs in reverse): what the runtime does not
+            # know of, e.g. a latency sandbox's cpu cgroup (see Cgroups.set_cpu_class).
+            undo.append(lambda: self.cgroups.remove(sandbox_id))
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
             await self.runtime.run_detached(
                 sandbox_id, d, pass_fd=lsock.fileno(), userns=userns, rlimits=rlimits

@@ -127,6 +127,10 @@ class Cgroups:
         if mode is not None and mode not in ("v1", "v2", "hybrid"):
             raise HostError(f"cgroups: unknown mode {mode!r} (v1, v2 or hybrid)")
         self.mode: str = mode or _mode_of(mounts, root)
+        # v1 only (see set_cpu_class): the subtree is idle in the cpu hierarchy, and a
+        # latency sandbox's tasks move to this normal sibling in that hierarchy alone.
+        self.latency_root = f"{self.subtree}-latency"
+        self._cpu_root_ready = False
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
@@ -171,15 +175,25 @@ class Cgroups:
         if self.mode == "v2":
             base = self.v2_root / self.subtree
         else:
-            base = self._ctrl[ctrl] / self.subtree
+            root = self._ctrl[ctrl]
+            if name is not None and root == self._ctrl["cpu"]:
+                moved = root / self.latency_root / _check_name(name)
+                if moved.is_dir():
+                    return moved  # a latency sandbox (cpu, and cpuacct when co-mounted)
+            base = root / self.subtree
         return base if name is None else base / _check_name(name)
 
+    def _tops(self) -> tuple[str, ...]:
+        return (self.subtree,) if self.mode == "v2" else (self.subtree, self.latency_root)
+
     def _dirs(self, name: str | None) -> list[Path]:
-        """The distinct directories of ``name`` (or of the subtree) in every hierarchy."""
+        """The distinct directories of ``name`` (or of the subtree, and on v1 the latency
+        root) in every hierarchy."""
         seen: dict[str, Path] = {}
         for root in self.all_roots:
-            d = root / self.subtree if name is None else root / self.subtree / _check_name(name)
-            seen.setdefault(os.path.realpath(d), d)
+            for top in self._tops():
+                d = root / top if name is None else root / top / _check_name(name)
+                seen.setdefault(os.path.realpath(d), d)
         return list(seen.values())
 
     # -- writing ----------------------------------------------------------------------
@@ -212,9 +226,18 @@ class Cgroups:
             return
         for ctrl, root in self._ctrl.items():
             d = root / self.subtree
-            d.mkdir(exist_ok=True)
+            if not d.is_dir():
+                d.mkdir(exist_ok=True)
+                self._cpu_root_ready &= ctrl != "cpu"
             if ctrl == "cpuset":
                 self._copy_cpuset(root, d)
+        if not self._cpu_root_ready:
+            cpu = self._ctrl["cpu"] / self.subtree
+            if (cpu / "cpu.idle").exists():
+                self._write(cpu / "cpu.idle", "1")
+            else:
+                self._write(cpu / "cpu.shares", "2")
+            self._cpu_root_ready = True
 
     def _copy_cpuset(self, parent: Path, child: Path) -> None:
         # v1 cpuset: a new cgroup starts with no cpus and no mems, and refuses tasks.
@@ -495,31 +518,58 @@ class Cgroups:
             if old_swap is not None:
                 self._write(swap_max, old_swap)
 
-    def set_cpu_class(self, name: str, best_effort: bool) -> None:
-        """Best effort: the cgroup runs only when nothing else wants the CPU (``cpu.idle``,
-        i.e. SCHED_IDLE for the whole group; minimum weight where the kernel lacks it).
-        Otherwise the maximum weight (v1 cpu.shares 262144, v2 cpu.weight 10000): an idle
-        group still weighs 3 to the scheduler, so N best-effort siblings at the normal
-        weight 1024 would win an EEVDF pick (and then hold the CPU a whole tick) N*3/1024
-        as often as a latency sandbox; at the maximum they need N*3/262144."""
-        d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
-        idle = d / "cpu.idle"
-        if idle.exists():
-            self._write(idle, "1" if best_effort else "0")
-            if best_effort:
-                return
+    def set_cpu_class(self, name: str, best_effort: bool, pid: int | None = None) -> None:
+        """Give cgroup ``name`` (whose init is ``pid``) its CPU class.
+
+        v1: corral's subtree is idle in the cpu hierarchy (``cpu.idle=1``, set when the
+        subtree is made; the minimum weight where the kernel lacks cpu.idle), so every
+        best-effort sandbox runs only on CPU time that nothing outside it wants, and any
+        waking task outside it, the node agent first, preempts it at once: the kernel
+        compares idle and non-idle entities at the level where they meet, which is the
+        root. A latency sandbox must not sit in an idle group, so its init (all threads,
+        and so everything it starts) moves to ``<subtree>-latency/<name>`` in the cpu
+        hierarchy only, with the normal weight; its memory, pids and freezer cgroups stay
+        where the runtime made them. That happens before any guest process exists.
+
+        v2 (one hierarchy, no per-controller placement): the sandbox cgroup itself is
+        ``cpu.idle=1`` for best effort; a latency sandbox gets the maximum weight
+        (cpu.weight 10000) against its best-effort siblings.
+        """
         if self.mode == "v2":
+            d = self._dir("", name)
+            if (d / "cpu.idle").exists():
+                self._write(d / "cpu.idle", "1" if best_effort else "0")
+                if best_effort:
+                    return
             self._write(d / "cpu.weight", "1" if best_effort else "10000")
-        else:
-            self._write(d / "cpu.shares", "2" if best_effort else "262144")
+            return
+        self._ensure_subtree()
+        if best_effort:
+            return
+        if pid is None:
+            raise HostError(f"cgroups: moving {name} to the latency class needs its init pid")
+        root = self._ctrl["cpu"]
+        src = root / self.subtree / _check_name(name)
+        dst = root / self.latency_root / name
+        dst.parent.mkdir(exist_ok=True)
+        dst.mkdir(exist_ok=True)
+        if self._ctrl.get("cpuset") == root:
+            self._copy_cpuset(root, dst.parent)
+            self._copy_cpuset(dst.parent, dst)
+        for f in ("cpu.cfs_period_us", "cpu.cfs_quota_us"):
+            self._write(dst / f, self._read(src / f).strip())
+        # Safe: the sandbox's own init; v1 cgroup.procs moves every thread of it.
+        self._write(dst / "cgroup.procs", str(pid))
 
     def cpu_class(self, name: str) -> dict[str, int]:
-        """The cgroup's cpu scheduling knobs: ``idle`` (if the kernel has it) and
-        ``weight`` (v2 cpu.weight, or v1 cpu.shares)."""
+        """The cpu scheduling knobs of cgroup ``name``: ``weight`` (v2 cpu.weight, or v1
+        cpu.shares), ``idle`` (if the kernel has cpu.idle) and ``group_idle`` (whether
+        the parent group, i.e. corral's subtree on v1, is idle)."""
         d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
         out = {"weight": int(self._read(d / ("cpu.weight" if self.mode == "v2" else "cpu.shares")))}
         if (d / "cpu.idle").exists():
             out["idle"] = int(self._read(d / "cpu.idle"))
+            out["group_idle"] = int(self._read(d.parent / "cpu.idle"))
         return out
 
     # -- cleanup ----------------------------------------------------------------------
@@ -566,7 +616,9 @@ class Cgroups:
         return sorted(names)
 
     def remove_subtree_if_empty(self) -> None:
-        """rmdir the subtree in every hierarchy where it has no child cgroups."""
+        """rmdir the subtree (and the latency root) in every hierarchy where it has no
+        child cgroups."""
+        self._cpu_root_ready = False
         for d in self._dirs(None):
             try:
                 os.rmdir(d)

@@ -31,12 +31,12 @@ def _cgroups(subtree: str) -> list[str]:
     if not _CGROUP_ROOT.is_dir():
         return out
     for base in [_CGROUP_ROOT, *[p for p in _CGROUP_ROOT.iterdir() if p.is_dir()]]:
-        d = base / subtree
-        if d.is_dir():
-            for child in d.iterdir():
-                if child.is_dir():
-                    out.append(str(child))
-            out.append(str(d))
+        for d in (base / subtree, base / f"{subtree}-latency"):  # see Cgroups.latency_root
+            if d.is_dir():
+                for child in d.iterdir():
+                    if child.is_dir():
+                        out.append(str(child))
+                out.append(str(d))
     return sorted(set(out))
 
 
@@ -71,7 +71,7 @@ def _netns(prefix: str) -> list[str]:
 def _procs(subtree: str) -> list[str]:
     """Processes whose cgroup (any hierarchy) lies in corral's subtree."""
     out = []
-    needle = f"/{subtree}/"
+    needles = (f"/{subtree}/", f"/{subtree}-latency/")
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -80,7 +80,7 @@ def _procs(subtree: str) -> list[str]:
                 cg = f.read()
         except OSError:
             continue
-        if needle in cg and not _zombie(pid):
+        if any(n in cg for n in needles) and not _zombie(pid):
             out.append(pid)
     return out
 
