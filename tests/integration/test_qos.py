@@ -1,7 +1,8 @@
 """CPU classes: best-effort sandboxes run SCHED_IDLE in an idle cgroup and cannot leave it;
-latency sandboxes get SCHED_OTHER, outside the idle group (v1: corral's subtree is idle in the
-cpu hierarchy and a latency sandbox's processes move to a normal sibling root there). Checked in the kernel's own
-figures (/proc/PID/sched policy, the cgroup's cpu files) and from inside the guest."""
+latency sandboxes get SCHED_OTHER under the normal ``<subtree>-latency`` root (the class is
+the cgroup's place, so the guest's cgroup namespace still shows only ``/``). Checked in the
+kernel's own figures (/proc/PID/sched policy, /proc/PID/cgroup, the cgroup's cpu files) and
+from inside the guest."""
 
 from __future__ import annotations
 
@@ -31,14 +32,26 @@ def _spec(qos: str) -> SandboxSpec:
     )
 
 
-def _cpu_cgroup(pid: int) -> str:
-    """The cpu-controller cgroup path of ``pid`` (a v1 line ``N:cpu:/path``)."""
+def _cgroups_of(pid: int) -> dict[str, str]:
+    """controller -> cgroup path of ``pid`` from the host's view (/proc/PID/cgroup)."""
+    out = {}
     with open(f"/proc/{pid}/cgroup") as f:
         for line in f:
             _, ctrls, path = line.rstrip("\n").split(":", 2)
-            if "cpu" in ctrls.split(","):
-                return path
-    raise AssertionError(f"no cpu cgroup line for {pid}")
+            for c in ctrls.split(","):
+                out[c] = path
+    return out
+
+
+def _placed_under(node: Node, sid: str, top: str) -> None:
+    """Every thread of every process of the sandbox is in ``/<top>/<sid>`` for each of
+    the controllers corral limits, and the guest sees its own cgroups as ``/``."""
+    tids = [int(t) for p in _guest_pids(node, sid) for t in os.listdir(f"/proc/{p}/task")]
+    assert len(tids) >= 3, tids  # the init's two threads and a guest process
+    for t in tids:
+        got = _cgroups_of(t)
+        for c in ("cpu", "memory", "pids", "freezer"):
+            assert got.get(c) == f"/{top}/{sid}", (t, c, got)
 
 
 def _guest_pids(node: Node, sid: str) -> list[int]:
@@ -50,12 +63,11 @@ async def test_best_effort_is_sched_idle_and_stays(node: Node):
     try:
         assert info.spec.qos == "best_effort"
         assert sched.policy_of(info.pid) == "idle"  # type: ignore[arg-type]
+        # the class is the cgroup's place: under corral's subtree, idle at the root
         knobs = node.cgroups.cpu_class(info.id)
-        if node.cgroups.mode == "v2":
-            assert knobs.get("idle") == 1 or knobs["weight"] <= 2, knobs
-        else:  # the whole subtree is idle in the cpu hierarchy; the sandbox sits in it
-            assert knobs.get("group_idle", 1) == 1, knobs
-            assert _cpu_cgroup(info.pid) == f"/{node.cgroups.subtree}/{info.id}"  # type: ignore[arg-type]
+        assert knobs.get("group_idle", 1) == 1 or knobs["weight"] <= 2, knobs
+        await node.spawn(info.id, ExecRequest(cmd=["sleep", "30"]))
+        _placed_under(node, info.id, node.cgroups.subtree)
         r = await node.exec(info.id, ExecRequest(cmd=["python3", "-c", PROBE]))
         assert r.ok, r.stderr
         lines = r.stdout.decode().splitlines()
@@ -66,6 +78,7 @@ async def test_best_effort_is_sched_idle_and_stays(node: Node):
         assert {sched.policy_of(p) for p in _guest_pids(node, info.id)} == {"idle"}
     finally:
         await node.sandbox_destroy(info.id)
+    assert info.id not in node.cgroups.list()
 
 
 async def test_latency_class_is_normal(node: Node):
@@ -76,24 +89,17 @@ async def test_latency_class_is_normal(node: Node):
         assert knobs.get("idle", 0) == 0 and knobs.get("group_idle", 0) == 0, knobs
         r = await node.exec(info.id, ExecRequest(cmd=["python3", "-c", PROBE]))
         assert r.stdout.decode().splitlines()[0] == str(os.SCHED_OTHER)
-        if node.cgroups.mode == "v2":
-            assert knobs["weight"] == 10000, knobs
-        else:
-            # every process, the init's threads too, in the latency root of the cpu
-            # hierarchy only; memory and pids where the runtime made them
-            moved = f"/{node.cgroups.latency_root}/{info.id}"
-            await node.spawn(info.id, ExecRequest(cmd=["sleep", "30"]))
-            pids = _guest_pids(node, info.id)
-            assert len(pids) >= 2
-            tids = [int(t) for p in pids for t in os.listdir(f"/proc/{p}/task")]
-            assert {_cpu_cgroup(t) for t in tids} == {moved}
-            assert node.cgroups.memory_current(info.id) > 0
+        await node.spawn(info.id, ExecRequest(cmd=["sleep", "30"]))
+        _placed_under(node, info.id, node.cgroups.latency_root)
+        # the guest's own view: its cgroup namespace is rooted at its cgroup
+        r = await node.exec(info.id, ExecRequest(cmd=["cat", "/proc/self/cgroup"]))
+        lines = [ln.split(":", 2) for ln in r.stdout.decode().splitlines()]
+        assert lines and {path for _, _, path in lines} == {"/"}, r.stdout
     finally:
         await node.sandbox_destroy(info.id)
-    if node.cgroups.mode != "v2":
-        cpu_root = node.cgroups.control_file("cpu", info.id, "x").parent.parent.parent
-        assert not (cpu_root / node.cgroups.latency_root / info.id).exists()
-        assert not (cpu_root / node.cgroups.subtree / info.id).exists()
+    assert info.id not in node.cgroups.list()
+    hier = node.cgroups.hierarchy("memory")
+    assert not (hier / node.cgroups.latency_root / info.id).exists()
 
 
 async def test_status_reports_core_scheduling(node: Node):
@@ -106,8 +112,8 @@ async def test_status_reports_core_scheduling(node: Node):
 
 
 async def test_failed_latency_create_leaves_no_cgroup(node: Node, monkeypatch):
-    """A create that fails after the latency move undoes the moved cpu cgroup too (the
-    runtime's delete knows only the cgroups it made)."""
+    """A latency create that fails after the runtime started leaves nothing under either
+    root."""
     from corral.errors import HostError
     from corral.policy import qos as qos_mod
 
@@ -123,7 +129,3 @@ async def test_failed_latency_create_leaves_no_cgroup(node: Node, monkeypatch):
     else:
         raise AssertionError("create did not fail")
     assert set(node.cgroups.list()) == before
-    if node.cgroups.mode != "v2":
-        cpu = node.cgroups.control_file("cpu", "x", "y").parent.parent.parent
-        lat = cpu / node.cgroups.latency_root
-        assert not lat.is_dir() or not [c for c in lat.iterdir() if c.is_dir()]

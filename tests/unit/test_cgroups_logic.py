@@ -996,56 +996,55 @@ def test_v1_list_and_remove_touch_only_the_subtree(
     assert snapshot(k.root, skip="corral") == before
 
 
-def test_v1_cpu_classes(make_kernel: KernelFactory, v1mode: str) -> None:
-    """The subtree is idle in the cpu hierarchy; a latency sandbox's init moves to the
-    normal ``<subtree>-latency`` sibling there (with its quota), and only there."""
+def test_v1_cpu_classes_by_path(make_kernel: KernelFactory, v1mode: str) -> None:
+    """The subtree is idle in the cpu hierarchy; latency sandboxes live under the normal
+    ``<subtree>-latency`` root in every hierarchy, and are found there by name."""
     k = make_kernel(v1mode)
     cg = open_cg(k, "mountinfo")
     cpu = k.path("cpu")
-    cg.create("sb-be", cpus=1, memory=1 << 30, pids=10)
-    cg.create("sb-lat", cpus=1.5, memory=1 << 30, pids=10)
+    assert cg.oci_path("sb-be") == "/corral/sb-be"
+    assert cg.oci_path("sb-lat", latency=True) == "/corral-latency/sb-lat"
+    cg.create("sb-be", cpus=1.5, memory=1 << 30, pids=10)
+    cg.create("sb-lat", cpus=1, memory=1 << 30, pids=10, latency=True)
     assert read(cpu / "corral" / "cpu.idle") == "1"
-    for sb, pid in (("sb-be", 7), ("sb-lat", 8)):
-        cg.add_pid(sb, pid)
-    cg.set_cpu_class("sb-be", True, 7)
-    assert cg.cpu_class("sb-be") == {"weight": 1024, "idle": 0, "group_idle": 1}
-    with pytest.raises(HostError, match="needs its init pid"):
-        cg.set_cpu_class("sb-lat", False)
-    cg.set_cpu_class("sb-lat", False, 8)
-    moved = cpu / "corral-latency" / "sb-lat"
-    assert read(moved / "cgroup.procs") == "8"
-    assert read(cpu / "corral" / "sb-lat" / "cgroup.procs") == ""
-    assert read(moved / "cpu.cfs_quota_us") == "150000"
     assert read(cpu / "corral-latency" / "cpu.idle") == "0"
+    assert cg.cpu_class("sb-be") == {"weight": 1024, "idle": 0, "group_idle": 1}
     assert cg.cpu_class("sb-lat") == {"weight": 1024, "idle": 0, "group_idle": 0}
-    assert cg.control_file("cpuacct", "sb-lat", "cpuacct.usage").parent == moved  # co-mounted
-    # the other controllers stay where the runtime made them
+    for ctrl in ("memory", "pids", "freezer", "cpu"):
+        assert (k.path(ctrl) / "corral-latency" / "sb-lat").is_dir(), ctrl
+        assert not (k.path(ctrl) / "corral" / "sb-lat").exists(), ctrl
+    cg.add_pid("sb-lat", 8)
     assert cg.procs("sb-lat") == [8]
-    assert read(k.path("memory") / "corral" / "sb-lat" / "cgroup.procs") == "8"
+    assert read(cpu / "corral-latency" / "sb-lat" / "cpu.cfs_quota_us") == "100000"
+    cs = k.path("cpuset") / "corral-latency"
+    assert read(cs / "cpuset.cpus") == read(cs / "sb-lat" / "cpuset.cpus") == "0-1"
     assert cg.list() == ["sb-be", "sb-lat"]
-    for procs in k.root.rglob("cgroup.procs"):  # the inits exited
+    for procs in k.root.rglob("cgroup.procs"):  # the init exited
         procs.write_text("")
     cg.remove("sb-lat")
-    assert not moved.exists() and cg.list() == ["sb-be"]
+    assert not any((k.path(c) / "corral-latency" / "sb-lat").exists() for c in ("cpu", "memory"))
+    assert cg.list() == ["sb-be"]
     cg.remove("sb-be")
     cg.remove_subtree_if_empty()
     assert not (cpu / "corral").exists() and not (cpu / "corral-latency").exists()
-    # made again after removal: idle again
-    cg.create("sb-2", cpus=1, memory=1 << 30, pids=10)
+    cg.prepare()  # made again after removal: idle again
     assert read(cpu / "corral" / "cpu.idle") == "1"
 
 
-def test_v2_cpu_classes(make_kernel: KernelFactory) -> None:
-    """v2 has one hierarchy: the sandbox cgroup itself is idle, or has the maximum weight."""
+def test_v2_cpu_classes_by_path(make_kernel: KernelFactory) -> None:
+    """v2: the same two tops, with controllers enabled for both."""
     k = make_kernel("v2")
     cg = open_cg(k, "mountinfo")
     cg.create("sb-be", cpus=1, memory=1 << 30, pids=10)
-    cg.create("sb-lat", cpus=1, memory=1 << 30, pids=10)
-    cg.set_cpu_class("sb-be", True, 7)
-    cg.set_cpu_class("sb-lat", False, 8)
-    assert cg.cpu_class("sb-be")["weight"] == 1
-    assert cg.cpu_class("sb-lat")["weight"] == 10000
-    assert not (k.root / "corral-latency").exists()
+    cg.create("sb-lat", cpus=1, memory=1 << 30, pids=10, latency=True)
+    assert (k.root / "corral-latency" / "sb-lat" / "memory.max").exists()
+    assert read(k.root / "corral-latency" / "sb-lat" / "cpu.max") == "100000 100000"
+    # the fake v2 kernel has no cpu.idle: the minimum weight for the best-effort top
+    assert read(k.root / "corral" / "cpu.weight") == "1"
+    assert read(k.root / "corral-latency" / "cpu.weight") == "100"
+    assert cg.list() == ["sb-be", "sb-lat"]
+    cg.remove("sb-lat")
+    assert not (k.root / "corral-latency" / "sb-lat").exists()
 
 
 def test_v1_create_fails_cleanly(make_kernel: KernelFactory) -> None:

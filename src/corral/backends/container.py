@@ -206,7 +206,7 @@ class ContainerBackend:
                 rootfs=root,
                 init_host_path=self.init_path,
                 hostname=spec.hostname,
-                cgroups_path=self.cgroups.oci_path(sandbox_id),
+                cgroups_path=self.cgroups.oci_path(sandbox_id, latency=spec.qos == "latency"),
                 limits=spec.limits,
                 host_uid=self.host_uid,
                 id_count=self.id_count,
@@ -223,8 +223,9 @@ class ContainerBackend:
                 self._release_owner(sandbox_id)
             rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
             oci.write_bundle(d, config)
-            # After the runtime's delete (undo runs in reverse): what the runtime does not
-            # know of, e.g. a latency sandbox's cpu cgroup (see Cgroups.set_cpu_class).
+            self.cgroups.prepare(latency=spec.qos == "latency")
+            # After the runtime's delete (undo runs in reverse): directories it left, e.g.
+            # in hierarchies it does not manage.
             undo.append(lambda: self.cgroups.remove(sandbox_id))
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
             await self.runtime.run_detached(
@@ -240,7 +241,7 @@ class ContainerBackend:
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
         # Before any guest command exists, so everything the sandbox starts inherits it.
-        qos.apply(self.cgroups, sandbox_id, pid, spec.qos)
+        qos.apply(pid, spec.qos)
         return pid
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:

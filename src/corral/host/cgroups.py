@@ -127,10 +127,10 @@ class Cgroups:
         if mode is not None and mode not in ("v1", "v2", "hybrid"):
             raise HostError(f"cgroups: unknown mode {mode!r} (v1, v2 or hybrid)")
         self.mode: str = mode or _mode_of(mounts, root)
-        # v1 only (see set_cpu_class): the subtree is idle in the cpu hierarchy, and a
-        # latency sandbox's tasks move to this normal sibling in that hierarchy alone.
+        # Latency-class sandboxes live under this normal sibling of the (idle) subtree;
+        # see prepare().
         self.latency_root = f"{self.subtree}-latency"
-        self._cpu_root_ready = False
+        self._prepared: set[str] = set()
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
@@ -167,28 +167,28 @@ class Cgroups:
 
     # -- paths ------------------------------------------------------------------------
 
-    def oci_path(self, name: str) -> str:
-        """Value for OCI ``linux.cgroupsPath`` (cgroupfs driver), e.g. ``/corral/<name>``."""
-        return f"/{self.subtree}/{_check_name(name)}"
+    def oci_path(self, name: str, latency: bool = False) -> str:
+        """Value for OCI ``linux.cgroupsPath`` (cgroupfs driver), e.g. ``/corral/<name>``;
+        a latency-class sandbox's lies under :attr:`latency_root` (see :meth:`prepare`)."""
+        return f"/{self.latency_root if latency else self.subtree}/{_check_name(name)}"
 
     def _dir(self, ctrl: str, name: str | None = None) -> Path:
-        if self.mode == "v2":
-            base = self.v2_root / self.subtree
-        else:
-            root = self._ctrl[ctrl]
-            if name is not None and root == self._ctrl["cpu"]:
-                moved = root / self.latency_root / _check_name(name)
-                if moved.is_dir():
-                    return moved  # a latency sandbox (cpu, and cpuacct when co-mounted)
-            base = root / self.subtree
-        return base if name is None else base / _check_name(name)
+        root = self.v2_root if self.mode == "v2" else self._ctrl[ctrl]
+        if name is None:
+            return root / self.subtree
+        latency = root / self.latency_root / _check_name(name)
+        return latency if latency.is_dir() else root / self.subtree / name
+
+    def hierarchy(self, ctrl: str) -> Path:
+        """Mount point of the hierarchy of ``ctrl`` (v2: the one tree)."""
+        return self.v2_root if self.mode == "v2" else self._ctrl[ctrl]
 
     def _tops(self) -> tuple[str, ...]:
-        return (self.subtree,) if self.mode == "v2" else (self.subtree, self.latency_root)
+        return (self.subtree, self.latency_root)
 
     def _dirs(self, name: str | None) -> list[Path]:
-        """The distinct directories of ``name`` (or of the subtree, and on v1 the latency
-        root) in every hierarchy."""
+        """The distinct directories of ``name`` (or of the subtree and the latency root)
+        in every hierarchy."""
         seen: dict[str, Path] = {}
         for root in self.all_roots:
             for top in self._tops():
@@ -220,24 +220,41 @@ class Cgroups:
         except OSError as e:
             raise HostError(f"cgroups: reading {path}: {errtext(e.errno or 0)}") from None
 
-    def _ensure_subtree(self) -> None:
-        if self.mode == "v2":
-            self._ensure_v2_subtree()
+    def prepare(self, latency: bool = False) -> None:
+        """Make the top cgroup that a sandbox of this class is created under (the runtime
+        creates the sandbox's own from :meth:`oci_path`).
+
+        CPU classes are placed by path, so nothing moves between cgroups afterwards (a
+        move would show the guest host paths in /proc/self/cgroup: its cgroup namespace
+        is rooted where the runtime put it). corral's subtree is **idle** in the cpu
+        controller (``cpu.idle=1``; the minimum weight where the kernel lacks cpu.idle):
+        all best-effort work is one idle entity at the root, where it meets the node agent
+        and every host process, and the kernel preempts an idle entity for a waking
+        non-idle one at the level where they meet. Latency sandboxes live under the
+        normal sibling :attr:`latency_root`, at the default weight. Best effort includes
+        a sandbox's own start (the runtime's setup in its cgroup): under load from normal
+        work, best-effort sandboxes also start on leftover CPU only.
+        """
+        top = self.latency_root if latency else self.subtree
+        if top in self._prepared and (self.hierarchy("cpu") / top).is_dir():
             return
-        for ctrl, root in self._ctrl.items():
-            d = root / self.subtree
-            if not d.is_dir():
+        if self.mode == "v2":
+            self._ensure_v2_top(top)
+            cpu = self.v2_root / top
+        else:
+            for ctrl, root in self._ctrl.items():
+                d = root / top
                 d.mkdir(exist_ok=True)
-                self._cpu_root_ready &= ctrl != "cpu"
-            if ctrl == "cpuset":
-                self._copy_cpuset(root, d)
-        if not self._cpu_root_ready:
-            cpu = self._ctrl["cpu"] / self.subtree
-            if (cpu / "cpu.idle").exists():
-                self._write(cpu / "cpu.idle", "1")
-            else:
-                self._write(cpu / "cpu.shares", "2")
-            self._cpu_root_ready = True
+                if ctrl == "cpuset":
+                    self._copy_cpuset(root, d)
+            cpu = self._ctrl["cpu"] / top
+        if (cpu / "cpu.idle").exists():
+            self._write(cpu / "cpu.idle", "0" if latency else "1")
+        elif not latency:  # a kernel before 5.15: the minimum weight instead
+            self._write(
+                *((cpu / "cpu.weight", "1") if self.mode == "v2" else (cpu / "cpu.shares", "2"))
+            )
+        self._prepared.add(top)
 
     def _copy_cpuset(self, parent: Path, child: Path) -> None:
         # v1 cpuset: a new cgroup starts with no cpus and no mems, and refuses tasks.
@@ -245,8 +262,8 @@ class Cgroups:
             if not self._read(child / f).strip():
                 self._write(child / f, self._read(parent / f).strip())
 
-    def _ensure_v2_subtree(self) -> None:
-        sub = self.v2_root / self.subtree
+    def _ensure_v2_top(self, top: str) -> None:
+        sub = self.v2_root / top
         available = set(self._read(self.v2_root / "cgroup.controllers").split())
         wanted = [c for c in _V2_CONTROLLERS if c in available]
         for d in (self.v2_root, sub):
@@ -269,23 +286,34 @@ class Cgroups:
                     ) from None
 
     def create(
-        self, name: str, *, cpus: float, memory: int, pids: int, swap: int | None = 0
+        self,
+        name: str,
+        *,
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None = 0,
+        latency: bool = False,
     ) -> None:
-        """Create cgroup ``name`` with limits: ``cpus`` (<=0: none), ``memory`` bytes,
-        ``pids`` (max tasks), ``swap`` bytes beyond memory (None: unlimited)."""
-        self._ensure_subtree()
+        """Create cgroup ``name`` (under the latency root with ``latency``) with limits:
+        ``cpus`` (<=0: none), ``memory`` bytes, ``pids`` (max tasks), ``swap`` bytes beyond
+        memory (None: unlimited)."""
+        self.prepare(latency)
+        top = self.latency_root if latency else self.subtree
         try:
             if self.mode == "v2":
-                self._create_v2(name, cpus, memory, pids, swap)
+                self._create_v2(top, name, cpus, memory, pids, swap)
             else:
-                self._create_v1(name, cpus, memory, pids, swap)
+                self._create_v1(top, name, cpus, memory, pids, swap)
         except BaseException:
             self.remove(name)
             raise
 
-    def _create_v1(self, name: str, cpus: float, memory: int, pids: int, swap: int | None) -> None:
-        for ctrl in self._ctrl:
-            d = self._dir(ctrl, name)
+    def _create_v1(
+        self, top: str, name: str, cpus: float, memory: int, pids: int, swap: int | None
+    ) -> None:
+        for ctrl, root in self._ctrl.items():
+            d = root / top / _check_name(name)
             try:
                 d.mkdir()
             except FileExistsError:
@@ -303,8 +331,10 @@ class Cgroups:
         self.set_memory(name, memory, swap)
         self._write(self._dir("pids", name) / "pids.max", str(pids))
 
-    def _create_v2(self, name: str, cpus: float, memory: int, pids: int, swap: int | None) -> None:
-        d = self._dir("", name)
+    def _create_v2(
+        self, top: str, name: str, cpus: float, memory: int, pids: int, swap: int | None
+    ) -> None:
+        d = self.v2_root / top / _check_name(name)
         try:
             d.mkdir()
         except FileExistsError:
@@ -518,53 +548,10 @@ class Cgroups:
             if old_swap is not None:
                 self._write(swap_max, old_swap)
 
-    def set_cpu_class(self, name: str, best_effort: bool, pid: int | None = None) -> None:
-        """Give cgroup ``name`` (whose init is ``pid``) its CPU class.
-
-        v1: corral's subtree is idle in the cpu hierarchy (``cpu.idle=1``, set when the
-        subtree is made; the minimum weight where the kernel lacks cpu.idle), so every
-        best-effort sandbox runs only on CPU time that nothing outside it wants, and any
-        waking task outside it, the node agent first, preempts it at once: the kernel
-        compares idle and non-idle entities at the level where they meet, which is the
-        root. A latency sandbox must not sit in an idle group, so its init (all threads,
-        and so everything it starts) moves to ``<subtree>-latency/<name>`` in the cpu
-        hierarchy only, with the normal weight; its memory, pids and freezer cgroups stay
-        where the runtime made them. That happens before any guest process exists.
-
-        v2 (one hierarchy, no per-controller placement): the sandbox cgroup itself is
-        ``cpu.idle=1`` for best effort; a latency sandbox gets the maximum weight
-        (cpu.weight 10000) against its best-effort siblings.
-        """
-        if self.mode == "v2":
-            d = self._dir("", name)
-            if (d / "cpu.idle").exists():
-                self._write(d / "cpu.idle", "1" if best_effort else "0")
-                if best_effort:
-                    return
-            self._write(d / "cpu.weight", "1" if best_effort else "10000")
-            return
-        self._ensure_subtree()
-        if best_effort:
-            return
-        if pid is None:
-            raise HostError(f"cgroups: moving {name} to the latency class needs its init pid")
-        root = self._ctrl["cpu"]
-        src = root / self.subtree / _check_name(name)
-        dst = root / self.latency_root / name
-        dst.parent.mkdir(exist_ok=True)
-        dst.mkdir(exist_ok=True)
-        if self._ctrl.get("cpuset") == root:
-            self._copy_cpuset(root, dst.parent)
-            self._copy_cpuset(dst.parent, dst)
-        for f in ("cpu.cfs_period_us", "cpu.cfs_quota_us"):
-            self._write(dst / f, self._read(src / f).strip())
-        # Safe: the sandbox's own init; v1 cgroup.procs moves every thread of it.
-        self._write(dst / "cgroup.procs", str(pid))
-
     def cpu_class(self, name: str) -> dict[str, int]:
         """The cpu scheduling knobs of cgroup ``name``: ``weight`` (v2 cpu.weight, or v1
         cpu.shares), ``idle`` (if the kernel has cpu.idle) and ``group_idle`` (whether
-        the parent group, i.e. corral's subtree on v1, is idle)."""
+        its parent group is idle: on v1 the idle root of best-effort sandboxes)."""
         d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
         out = {"weight": int(self._read(d / ("cpu.weight" if self.mode == "v2" else "cpu.shares")))}
         if (d / "cpu.idle").exists():
@@ -618,7 +605,7 @@ class Cgroups:
     def remove_subtree_if_empty(self) -> None:
         """rmdir the subtree (and the latency root) in every hierarchy where it has no
         child cgroups."""
-        self._cpu_root_ready = False
+        self._prepared.clear()
         for d in self._dirs(None):
             try:
                 os.rmdir(d)

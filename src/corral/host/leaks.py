@@ -31,7 +31,7 @@ def _cgroups(subtree: str) -> list[str]:
     if not _CGROUP_ROOT.is_dir():
         return out
     for base in [_CGROUP_ROOT, *[p for p in _CGROUP_ROOT.iterdir() if p.is_dir()]]:
-        for d in (base / subtree, base / f"{subtree}-latency"):  # see Cgroups.latency_root
+        for d in (base / subtree, base / f"{subtree}-latency"):  # Cgroups.latency_root
             if d.is_dir():
                 for child in d.iterdir():
                     if child.is_dir():
