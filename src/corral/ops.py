@@ -52,13 +52,20 @@ class NodeOps(Protocol):
 
     # pause / resume (state kept; any request to a paused sandbox resumes it)
     async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo: ...
-    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo: ...
+    async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
+        """Thaw a paused sandbox; ``prefetch`` also starts reading all its memory back from
+        swap (returns once the reads are started)."""
+        ...
+
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
         """Pause every sandbox carrying all of ``labels``; returns those now paused."""
         ...
 
-    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
-        """Resume every paused sandbox carrying all of ``labels``; returns those resumed."""
+    async def sandboxes_resume(
+        self, labels: dict[str, str], prefetch: bool = False
+    ) -> list[SandboxInfo]:
+        """Resume every paused sandbox carrying all of ``labels`` (``prefetch``: as in
+        :meth:`sandbox_resume`); returns those resumed."""
         ...
 
     # network policy

@@ -255,11 +255,11 @@ class FakeNode(NodeOps):
             self._event(sandbox_id, "paused")
         return sb.info
 
-    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
+    async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         sb = self._sb(sandbox_id, wake=False)
         if sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
-            self._event(sandbox_id, "resumed", transparent="false")
+            self._event(sandbox_id, "resumed", transparent="false", prefetch=str(prefetch).lower())
         return sb.info
 
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
@@ -267,11 +267,13 @@ class FakeNode(NodeOps):
             raise InvalidRequest("labels: name at least one label (e.g. job=...) to pause by")
         return [await self.sandbox_pause(i.id) for i in await self.sandbox_list(labels)]
 
-    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
+    async def sandboxes_resume(
+        self, labels: dict[str, str], prefetch: bool = False
+    ) -> list[SandboxInfo]:
         if not labels:
             raise InvalidRequest("labels: name at least one label (e.g. job=...) to resume by")
         paused = [i for i in await self.sandbox_list(labels) if i.state == "paused"]
-        return [await self.sandbox_resume(i.id) for i in paused]
+        return [await self.sandbox_resume(i.id, prefetch) for i in paused]
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
         sb = self._sb(sandbox_id, wake=False)

@@ -75,6 +75,17 @@ def test_pause_bench(bench) -> None:  # type: ignore[no-untyped-def]
     for k in ("pause_ms_p50", "resume_first_exec_ms_p50", "resume_first_exec_ms_p99"):
         assert out[k] > 0, (k, out)
     assert out["swap_left"] == []
+    assert out["prefetch"] is False and out["resume_prefetch_ms_p50"] is None
+    assert out["touch_after_resume_ms_p50"] > 0
+
+
+def test_pause_bench_prefetch(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("pause", "--count", "2", "--mem", "32MiB", "--prefetch")
+    assert out["prefetch"] is True and out["state_intact"] is True
+    assert out["resume_prefetch_ms_p50"] > 0 and out["touch_after_resume_ms_p50"] > 0
+    # the node's own figures: the swapped memory came back within the resume calls
+    assert out["prefetch_swapped_after_mib"] < out["prefetch_swapped_before_mib"] / 4, out
+    assert out["swap_left"] == []
 
 
 def test_qos_bench(bench) -> None:  # type: ignore[no-untyped-def]

@@ -353,8 +353,11 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         return _json(await ops.sandbox_pause(sandbox_id))
 
     @r.post(sb + "/resume", response_model=SandboxInfo, tags=["sandboxes"])
-    async def sandbox_resume(sandbox_id: str) -> Response:
-        return _json(await ops.sandbox_resume(sandbox_id))
+    async def sandbox_resume(
+        sandbox_id: str,
+        prefetch: bool = Query(False, description="also read all its memory back from swap"),
+    ) -> Response:
+        return _json(await ops.sandbox_resume(sandbox_id, prefetch))
 
     @r.post("/sandboxes/pause", response_model=list[SandboxInfo], tags=["sandboxes"])
     async def sandboxes_pause(
@@ -365,8 +368,9 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     @r.post("/sandboxes/resume", response_model=list[SandboxInfo], tags=["sandboxes"])
     async def sandboxes_resume(
         label: list[str] = Query(..., description="key=value; every sandbox with all of them"),
+        prefetch: bool = Query(False, description="also read their memory back from swap"),
     ) -> Response:
-        return _json_list(await ops.sandboxes_resume(_parse_labels(label) or {}))
+        return _json_list(await ops.sandboxes_resume(_parse_labels(label) or {}, prefetch))
 
     @r.post(sb + "/network", response_model=SandboxInfo, tags=["sandboxes"])
     async def network_update(sandbox_id: str, body: NetworkUpdateRequest) -> Response:

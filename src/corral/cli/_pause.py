@@ -21,9 +21,19 @@ _Labels = Annotated[
     typer.Option("--label", "-l", metavar="K=V", help="Every sandbox with these labels."),
 ]
 _Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+_Prefetch = Annotated[
+    bool,
+    typer.Option("--prefetch", help="Also read all their memory back from swap now."),
+]
 
 
-def _run(ctx: typer.Context, ids: list[str] | None, label: list[str] | None, pause: bool) -> None:
+def _run(
+    ctx: typer.Context,
+    ids: list[str] | None,
+    label: list[str] | None,
+    pause: bool,
+    prefetch: bool = False,
+) -> None:
     g: Globals = ctx.obj
     labels = parse_pairs(label, "--label")
     if bool(ids) == bool(labels):
@@ -32,11 +42,15 @@ def _run(ctx: typer.Context, ids: list[str] | None, label: list[str] | None, pau
     async def run() -> list[SandboxInfo]:
         async with g.client() as client:
             if labels:
-                call = client.sandboxes.pause if pause else client.sandboxes.resume
-                return [sb.info for sb in await call(labels=labels)]
+                if pause:
+                    return [sb.info for sb in await client.sandboxes.pause(labels=labels)]
+                got = await client.sandboxes.resume(labels=labels, prefetch=prefetch)
+                return [sb.info for sb in got]
             handles = [await client.sandboxes.get(sid) for sid in ids or []]
             return list(
-                await asyncio.gather(*(sb.pause() if pause else sb.resume() for sb in handles))
+                await asyncio.gather(
+                    *(sb.pause() if pause else sb.resume(prefetch=prefetch) for sb in handles)
+                )
             )
 
     infos = asyncio.run(run())
@@ -60,6 +74,11 @@ def register(app: typer.Typer) -> None:
         _run(ctx, sandbox_ids, label, pause=True)
 
     @app.command("resume")
-    def resume(ctx: typer.Context, sandbox_ids: _Ids = None, label: _Labels = None) -> None:
-        """Thaw paused sandboxes."""
-        _run(ctx, sandbox_ids, label, pause=False)
+    def resume(
+        ctx: typer.Context,
+        sandbox_ids: _Ids = None,
+        label: _Labels = None,
+        prefetch: _Prefetch = False,
+    ) -> None:
+        """Thaw paused sandboxes (``--prefetch``: and start reading their memory back)."""
+        _run(ctx, sandbox_ids, label, pause=False, prefetch=prefetch)

@@ -2,11 +2,15 @@
 
 Pause = freeze every process of the sandbox (cgroup freezer) and push its memory out to
 swap (:meth:`Cgroups.reclaim`); the limits are restored right away, and frozen tasks do not
-fault their pages back in. Resume = thaw; pages come back on first touch (no prefetch: a
-resumed agent usually touches a small part of what it had, and reading it all back would
-cost every resume the full swap-in). Any request to a paused sandbox resumes it first
-(:meth:`Pauser.wake`, called from the node's request choke point), so a paused sandbox is
-only slower on its first request, never broken.
+fault their pages back in. Resume = thaw; pages come back on first touch. ``resume(prefetch=
+True)`` also starts reading the whole working set back once thawed (:mod:`corral.host.prefetch`:
+MADV_WILLNEED through process_madvise over every mapping of every process, so swapped pages
+go to the swap cache and touching them is a minor fault, not a disk read); the call returns
+when the advice calls have, the reads may still be finishing. Without it nothing is read
+ahead: a resumed agent often touches a small part of what it had, and reading it all back
+costs the full swap-in. Any request to a paused sandbox resumes it first (:meth:`Pauser.wake`,
+called from the node's request choke point), so a paused sandbox is only slower on its
+first request, never broken.
 
 States: ``running`` -> ``pausing`` (frozen, reclaim running) -> ``paused``; ``paused`` ->
 ``resuming`` -> ``running``. A pause first lets requests already in flight finish (up to
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from corral.errors import Conflict, CorralError, HostError, InvalidRequest
+from corral.host import prefetch as prefetchmod
 from corral.host import swap as swapmod
 from corral.host.cgroups import Cgroups
 from corral.spec import SandboxInfo
@@ -120,6 +125,9 @@ class Pauser:
         self._held: dict[str, int] = {}
         self._wake_pending: set[str] = set()
         self._fz: dict[str, threading.Lock] = {}
+        # Sandboxes an explicit resume(prefetch=True) is waking: their "resumed" event waits
+        # here (None until the thaw) for the prefetch figures.
+        self._deferred: dict[str, dict[str, Any] | None] = {}
         # Reclaim blocks in the kernel for up to a second per sandbox: its own threads, so a
         # job-wide pause of thousands never starves the node's other thread work (files).
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="corral-reclaim")
@@ -241,27 +249,84 @@ class Pauser:
             return 0, 0
 
     # ------------------------------------------------------------------ resume
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox (a running one is returned as it is); one being paused is
-        stopped and thawed, and returned once it runs."""
+        stopped and thawed, and returned once it runs.
+
+        ``prefetch``: once thawed, advise every process of the sandbox to read its memory
+        back (:meth:`_prefetch`); returns when the advice calls have returned, and the
+        ``resumed`` event carries the figures (bytes advised, swapped before/after, ms). A
+        sandbox still held frozen by a :meth:`frozen` block is not prefetched (it stays
+        frozen until the block ends)."""
         info = self._get(sandbox_id)
         assert info is not None
         if info.state == "running":
             return info
         if info.state not in (*_ASLEEP, "resuming"):
             raise Conflict(f"sandbox {sandbox_id} is {info.state}; only a paused one resumes")
-        info = self.wake(sandbox_id, transparent=False)
-        task = self._tasks.get(sandbox_id)
-        if task is not None:
-            return await asyncio.shield(task)
+        own = prefetch and sandbox_id not in self._deferred  # a second caller just waits
+        if own:
+            self._deferred[sandbox_id] = None
+        try:
+            info = self.wake(sandbox_id, transparent=False)
+            task = self._tasks.get(sandbox_id)
+            if task is not None:
+                info = await asyncio.shield(task)
+        finally:
+            detail = self._deferred.pop(sandbox_id, None) if own else None
+        if detail is None:  # not woken by this call (held frozen, destroyed meanwhile)
+            return info
+        detail["transparent"] = False  # also when it stopped a pause half-way
+        try:
+            if info.state == "running":
+                detail.update(await self._prefetch(sandbox_id))
+        finally:
+            self._event(sandbox_id, "resumed", detail)
         return info
+
+    async def _prefetch(self, sid: str) -> dict[str, Any]:
+        """MADV_WILLNEED over all mappings of the sandbox's processes, in a thread (the
+        calls submit the reads of all swapped pages, which takes a while for a big sandbox);
+        returns the figures for the ``resumed`` event."""
+        t0 = time.monotonic()
+        before = self._usage(sid)
+        try:
+            pids = self.cgroups.procs(sid)
+        except CorralError:
+            pids = []
+        adv = await asyncio.to_thread(prefetchmod.willneed_all, pids)
+        after = self._usage(sid)
+        if adv.errors:
+            log.debug("prefetch of %s: %d ranges refused (%s)", sid, len(adv.errors), adv.errors[0])
+        return {
+            "prefetch": True,
+            "prefetch_ms": round((time.monotonic() - t0) * 1000, 2),
+            "prefetch_bytes": adv.bytes,
+            "prefetch_anon_bytes": adv.anon_bytes,
+            "prefetch_file_bytes": adv.file_bytes,
+            "prefetch_processes": adv.processes,
+            "prefetch_ranges": adv.ranges,
+            "prefetch_errors": len(adv.errors),
+            # v1 moves a page's charge from swap to memory as it enters the swap cache; v2
+            # keeps the swap slot charged until it is freed: there "resident" is the figure
+            "swapped_before": before[1],
+            "swapped_after": after[1],
+            "resident_before": before[0],
+            "resident_after": after[0],
+        }
 
     def wake(self, sandbox_id: str, transparent: bool = True) -> SandboxInfo:
         """For a request that arrived at a paused or pausing sandbox. Paused: thaw now
         (synchronously: a freezer write, ~1 ms). Pausing: stop the freeze or reclaim and
         leave the state ``resuming``; the pause task thaws as soon as the memory limit is
         back (the request meanwhile waits on the frozen processes, like in a frozen()
-        block)."""
+        block).
+
+        Never prefetches: this runs synchronously in the request's path, and a request
+        usually touches a small part of the sandbox's memory; reading all of it back would
+        compete with the request's own faults for the disk, and a sandbox that idle-pause
+        parks and a poll wakes would take its whole memory back every time. Callers that
+        know the sandbox is about to work call ``resume(prefetch=True)``."""
         info = self._get(sandbox_id)
         assert info is not None
         if info.state not in _ASLEEP:
@@ -288,11 +353,11 @@ class Pauser:
         if thaw:  # also a freeze stopped half-way (FREEZING) must be thawed
             self._thaw(info.id)
         info = self._set(info, "running")
-        self._event(
-            info.id,
-            "resumed",
-            {"ms": round((time.monotonic() - t0) * 1000, 2), "transparent": transparent},
-        )
+        detail = {"ms": round((time.monotonic() - t0) * 1000, 2), "transparent": transparent}
+        if info.id in self._deferred:  # resume(prefetch=True) adds its figures, then records
+            self._deferred[info.id] = detail
+        else:
+            self._event(info.id, "resumed", detail)
         return info
 
     # ------------------------------------------------------------------ jobs
@@ -304,10 +369,12 @@ class Pauser:
         )
         return [g for g in got if isinstance(g, SandboxInfo) and g.state == "paused"]
 
-    async def resume_many(self, infos: list[SandboxInfo]) -> list[SandboxInfo]:
+    async def resume_many(
+        self, infos: list[SandboxInfo], prefetch: bool = False
+    ) -> list[SandboxInfo]:
         """Resume all of ``infos`` that are paused (or being paused); returns those resumed."""
         got = await asyncio.gather(
-            *(self.resume(i.id) for i in infos if i.state in (*_ASLEEP, "resuming")),
+            *(self.resume(i.id, prefetch) for i in infos if i.state in (*_ASLEEP, "resuming")),
             return_exceptions=True,
         )
         return [g for g in got if isinstance(g, SandboxInfo) and g.state == "running"]

@@ -277,10 +277,14 @@ class Sandboxes:
         ops = await self._client._get_ops()
         return [Sandbox._wrap(ops, i) for i in await ops.sandboxes_pause(dict(labels))]
 
-    async def resume(self, labels: Mapping[str, str]) -> builtins.list[Sandbox]:
-        """Resume every paused sandbox with all of ``labels``; returns those resumed."""
+    async def resume(
+        self, labels: Mapping[str, str], prefetch: bool = False
+    ) -> builtins.list[Sandbox]:
+        """Resume every paused sandbox with all of ``labels`` (``prefetch``: read their
+        memory back at once, see :meth:`Sandbox.resume`); returns those resumed."""
         ops = await self._client._get_ops()
-        return [Sandbox._wrap(ops, i) for i in await ops.sandboxes_resume(dict(labels))]
+        got = await ops.sandboxes_resume(dict(labels), prefetch)
+        return [Sandbox._wrap(ops, i) for i in got]
 
 
 def _kinds(kinds: Sequence[str] | None) -> list[str] | None:

@@ -210,16 +210,20 @@ class HTTPOps(NodeOps):
         resp = await self._call("POST", self._sb(sandbox_id, "/pause"))
         return SandboxInfo.model_validate_json(resp.content)
 
-    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
-        resp = await self._call("POST", self._sb(sandbox_id, "/resume"))
+    async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
+        params = {"prefetch": "true"} if prefetch else None
+        resp = await self._call("POST", self._sb(sandbox_id, "/resume"), params=params)
         return SandboxInfo.model_validate_json(resp.content)
 
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
         resp = await self._call("POST", "/sandboxes/pause", params=_labels(labels))
         return _Sandboxes.validate_json(resp.content)
 
-    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
-        resp = await self._call("POST", "/sandboxes/resume", params=_labels(labels))
+    async def sandboxes_resume(
+        self, labels: dict[str, str], prefetch: bool = False
+    ) -> list[SandboxInfo]:
+        params = _labels(labels) + ([("prefetch", "true")] if prefetch else [])
+        resp = await self._call("POST", "/sandboxes/resume", params=params)
         return _Sandboxes.validate_json(resp.content)
 
     async def network_update(

@@ -256,9 +256,15 @@ class Sandbox:
         self._info = await self._ops.sandbox_pause(self.id)
         return self._info
 
-    async def resume(self) -> SandboxInfo:
-        """Thaw a paused sandbox (memory comes back from swap as it is touched)."""
-        self._info = await self._ops.sandbox_resume(self.id)
+    async def resume(self, prefetch: bool = False) -> SandboxInfo:
+        """Thaw a paused sandbox. Its memory comes back from swap as it is touched, or, with
+        ``prefetch``, is all read back at once (worth it when the agent is about to work on
+        it; returns once the reads are started, its ``resumed`` event has the figures).
+
+        Example:
+            >>> await sb.resume(prefetch=True)                            # doctest: +SKIP
+        """
+        self._info = await self._ops.sandbox_resume(self.id, prefetch)
         return self._info
 
     async def snapshot(self, name: str | None = None) -> ImageInfo:
