@@ -60,6 +60,9 @@ def _host_snapshot() -> set[str]:
             items.update(f"container {root}/{d}" for d in os.listdir(root))
     with open("/proc/swaps") as f:
         items.update(f"swap {ln.split()[0]}" for ln in list(f)[1:])
+    from corral.host.leaks import fd_holders  # seccomp fd holders (host/fdstore.py)
+
+    items.update(f"fd-holder {h}" for h in fd_holders())
     return items
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["scan", "total"]
+__all__ = ["fd_holders", "scan", "total"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -85,6 +85,27 @@ def _procs(subtree: str) -> list[str]:
     return out
 
 
+def fd_holders(run_dirs: list[Path] | None = None) -> list[str]:
+    """Seccomp fd holders (``corral-fdstore``, host/fdstore.py) of these run dirs (None:
+    of any), as ``PID SOCKET``; one outlives its node only while it keeps fds of sandboxes."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) < 2 or not os.path.basename(argv[0]).startswith(b"corral-fdstore-"):
+            continue
+        sock = argv[1].decode(errors="replace")
+        if run_dirs is None or any(sock.startswith(str(d) + "/") for d in run_dirs):
+            if not _zombie(pid):
+                out.append(f"{pid} {sock}")
+    return out
+
+
 def _swap(state_dir: Path, prefixes: list[Path]) -> list[str]:
     """Swap areas on: a file below corral's dirs, or a zram device the node recorded."""
     try:
@@ -128,6 +149,7 @@ def scan(
         "containers": _containers([run_dir / "runc", run_dir / "crun"]),
         "netns": _netns(netns_prefix),
         "processes": _procs(subtree),
+        "fd_holders": fd_holders([run_dir]),
         "swap": _swap(state_dir, prefixes),
     }
 

@@ -13,9 +13,11 @@ The guest's thread waits in the kernel until it is answered; a sandbox that make
 than ``rate`` refused calls a second is simply not polled for a while (its callers wait,
 killable), so a guest cannot burn the node's CPU through this thread.
 
-A notification fd lives only in this process. After an agent restart the runtime's fds
-are gone; the kernel then answers the notifying calls ENOSYS (still refused) and they are
-no longer recorded (see :meth:`NotifyListener.watched`).
+A notification fd lives only in the process that holds it. ``on_fd`` is told of every fd
+accepted, so the node can keep a dup in its fd holder (:mod:`corral.host.fdstore`) and a
+later agent can :meth:`NotifyListener.watch` it again after a restart. Without that the
+fds die with the agent; the kernel then answers the notifying calls ENOSYS (still
+refused) and they are no longer recorded (see :meth:`NotifyListener.watched`).
 
 Example::
 
@@ -129,8 +131,10 @@ class NotifyListener:
     """Accepts seccomp notification fds on ``path`` and answers every call with EPERM.
 
     ``on_call(sandbox_id, call)`` runs on the listener thread before the answer; it must be
-    quick and thread-safe. ``rate``/``burst``: refused calls per second a sandbox gets
-    answered before it has to wait (a token bucket).
+    quick and thread-safe. ``on_fd(sandbox_id, fd)`` (optional) runs on the listener thread
+    for every fd the runtime hands over, before it is polled; the fd stays this listener's.
+    ``rate``/``burst``: refused calls per second a sandbox gets answered before it has to
+    wait (a token bucket).
     """
 
     def __init__(
@@ -138,11 +142,13 @@ class NotifyListener:
         path: Path,
         on_call: Callable[[str, SeccompCall], None],
         *,
+        on_fd: Callable[[str, int], None] | None = None,
         rate: float = 2000.0,
         burst: float = 500.0,
     ) -> None:
         self.path = path
         self.on_call = on_call
+        self.on_fd = on_fd
         self.rate = rate
         self.burst = burst
         self._watches: dict[int, _Watch] = {}
@@ -171,6 +177,12 @@ class NotifyListener:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._thread = threading.Thread(target=self._serve, name="corral-seccomp", daemon=True)
         self._thread.start()
+
+    def for_each(self, fn: Callable[[str, int], None]) -> None:
+        """``fn(sandbox_id, fd)`` for every fd served, with the fds held open meanwhile."""
+        with self._lock:
+            for w in list(self._watches.values()):
+                fn(w.sandbox_id, w.fd)
 
     def watched(self) -> set[str]:
         """Sandboxes whose notification fd this listener holds."""
@@ -284,9 +296,22 @@ class NotifyListener:
             raise
         fd = fds[0]
         os.set_inheritable(fd, False)
+        if self.on_fd is not None:
+            try:
+                self.on_fd(sandbox_id, fd)
+            except Exception:
+                log.exception("seccomp listener: on_fd failed")
+        self.watch(sandbox_id, fd)
+
+    def watch(self, sandbox_id: str, fd: int) -> None:
+        """Serve ``fd`` (a notification fd of ``sandbox_id``) from now on; the listener owns
+        it. Notifications that arrived before are answered first (epoll is level-triggered)."""
         with self._lock:
             self._watches[fd] = _Watch(sandbox_id, fd, self.burst, time.monotonic())
         self._epoll.register(fd, select.EPOLLIN)
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"w")
 
     def _serve_fd(self, fd: int, mask: int) -> None:
         with self._lock:

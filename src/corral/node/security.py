@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from pathlib import Path
 from corral.errors import HostError
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
+from corral.host.fdstore import FdStore, end_stale
 from corral.host.seccomp_notify import NotifyListener, SeccompCall
 from corral.node.state import StateStore
 from corral.policy import seccomp as policy
@@ -39,9 +42,12 @@ from corral.spec import EventSummary
 
 __all__ = ["NodeSecurity", "SecurityLog", "SECURITY_KINDS", "describe_call"]
 
+_log = logging.getLogger("corral.security")
+
 SECURITY_KINDS: dict[str, str] = {
     "seccomp": "a refused system call (syscall, arg)",
-    "seccomp_unwatched": "refused calls of this sandbox are no longer recorded (agent restart)",
+    "seccomp_unwatched": "refused calls of this sandbox are no longer recorded (agent restart "
+    "without the fd holder)",
     "pids_limit": "a fork/clone failed at the sandbox's pids limit",
     "disk_quota": "the writable layer reached its disk quota",
     "oom": "an exec ended because the OOM killer killed it (memory limit)",
@@ -223,9 +229,13 @@ class NodeSecurity:
     """The node's side of the security event log: the seccomp listener, the coalescing log,
     and the quota checks the node runs at the end of each exec and before a destroy.
 
-    The node calls: :meth:`created`/:meth:`adopted` once per sandbox, :meth:`after_exec`,
-    :meth:`before_destroy`, :meth:`flush` (reaper pass, before answering a query) and
-    :meth:`close`.
+    The node calls: :meth:`created`/:meth:`adopted` once per sandbox, :meth:`recovered`
+    after the adoptions, :meth:`after_exec`, :meth:`before_destroy`, :meth:`flush` (reaper
+    pass, before answering a query), :meth:`gc` and :meth:`close`.
+
+    With ``helper_dir`` (where the node builds its C helpers) every notification fd is also
+    kept by the node's fd holder (:mod:`corral.host.fdstore`), so a restarted agent takes
+    the fds of the sandboxes it adopts back and goes on recording their refused calls.
     """
 
     def __init__(
@@ -235,6 +245,7 @@ class NodeSecurity:
         scratch: Scratch,
         *,
         listener_path: Path | None,
+        helper_dir: Path | None = None,
     ) -> None:
         self._add = add_event
         self.cgroups = cgroups
@@ -244,8 +255,17 @@ class NodeSecurity:
             self._loop = asyncio.get_running_loop()
         self.log = SecurityLog(add_event, wake=self._wake)
         self.listener: NotifyListener | None = None
+        self.fdstore: FdStore | None = None
+        self._helper_dir = helper_dir
+        self._handed: dict[str, list[int]] = {}  # the holder's fds, until adopted()
+        self._known: set[str] = set()  # sandboxes created or adopted, not destroyed
         if listener_path is not None:
-            self.listener = NotifyListener(listener_path, self.log.record_call)
+            if helper_dir is not None:
+                try:
+                    self.fdstore, self._handed = FdStore.open(listener_path.parent, helper_dir)
+                except (OSError, HostError) as e:
+                    _log.warning("no seccomp fd holder (fds will not survive a restart): %s", e)
+            self.listener = NotifyListener(listener_path, self.log.record_call, on_fd=self._keep)
             self.listener.start()
         self._disk_full: set[str] = set()
         self._checked: dict[str, float] = {}
@@ -279,18 +299,68 @@ class NodeSecurity:
             oom = self.cgroups.oom_kills(sandbox_id)
         return {"pids_limit": self._pids_refused(sandbox_id), "oom_kill": oom}
 
+    def _keep(self, sandbox_id: str, fd: int) -> None:
+        """A new notification fd (listener thread): the holder gets a dup."""
+        if self.fdstore is not None:
+            self.fdstore.put(sandbox_id, fd)
+
     def created(self, sandbox_id: str) -> None:
+        self._known.add(sandbox_id)
         self.log.seen(sandbox_id, self._counters(sandbox_id))
 
     def adopted(self, sandbox_id: str) -> None:
-        """A sandbox from before an agent restart: its seccomp fd died with the old agent."""
+        """A sandbox from before an agent restart: its notification fds come back from the
+        fd holder; without them (no holder) it is marked ``seccomp_unwatched``."""
         self.created(sandbox_id)
-        if self.listener is not None:
+        if self.listener is None:
+            return
+        fds = self._handed.pop(sandbox_id, [])
+        for fd in fds:
+            self.listener.watch(sandbox_id, fd)
+        if not fds:
             self._add(
                 sandbox_id,
                 "seccomp_unwatched",
                 {"reason": "agent restarted; refused calls now fail with ENOSYS, unrecorded"},
             )
+
+    def recovered(self) -> None:
+        """After the adoptions: the holder forgets sandboxes that did not survive."""
+        for sid, fds in self._handed.items():
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if self.fdstore is not None:
+                self.fdstore.drop(sid)
+        self._handed.clear()
+
+    def gc(self, live: set[str]) -> None:
+        """The holder keeps only fds of ``live`` sandboxes; one that does not answer (or was
+        lost) is ended by its recorded pid and replaced, with every fd the listener serves."""
+        if self.listener is None or self._helper_dir is None:
+            return
+        store = self.fdstore
+        if store is not None:
+            for sid in store.held() - live:
+                store.drop(sid)
+            if store.ping():
+                return
+            store.abandon()
+        self.fdstore = None
+        run_dir = self.listener.path.parent
+        end_stale(run_dir)
+        try:
+            fresh, handed = FdStore.open(run_dir, self._helper_dir)
+        except (OSError, HostError) as e:
+            _log.warning("gc: cannot start a seccomp fd holder: %s", e)
+            return
+        for fds in handed.values():  # a holder we could reach after all: start clean
+            for fd in fds:
+                os.close(fd)
+        for sid in handed:
+            fresh.drop(sid)
+        self.fdstore = fresh  # first: a create meanwhile is kept (at worst twice)
+        self.listener.for_each(lambda sid, fd: fresh.put(sid, fd) if sid in live else None)
 
     def after_exec(self, sandbox_id: str, disk_limit: int, truncated: bool = False) -> None:
         """Quota hits of the exec that just ended (pids limit, OOM kills, disk quota), and
@@ -325,6 +395,9 @@ class NodeSecurity:
             self._disk_full.discard(sandbox_id)
 
     def before_destroy(self, sandbox_id: str, disk_limit: int) -> None:
+        self._known.discard(sandbox_id)
+        if self.fdstore is not None:
+            self.fdstore.drop(sandbox_id)
         self._check(sandbox_id, disk_limit)
         self.log.flush(sandbox_id, final=True)
         self._disk_full.discard(sandbox_id)
@@ -335,7 +408,19 @@ class NodeSecurity:
             self.log.flush()
 
     def close(self) -> None:
+        """Stop listening. The holder keeps the fds of sandboxes still running (a failed
+        create's are dropped) and exits by itself if that is none."""
         self.flush()
+        undecided = set(self._handed)  # an open that failed before its adoptions: keep them
+        for fds in self._handed.values():
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._handed.clear()
+        if self.fdstore is not None:
+            for sid in self.fdstore.held() - self._known - undecided:
+                self.fdstore.drop(sid)
+            self.fdstore.close()
         if self.listener is not None:
             self.listener.close()
 
