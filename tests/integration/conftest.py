@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.conftest import TEST_RUN, TEST_STATE, TEST_STORE, TEST_SUBTREE
+
+if TYPE_CHECKING:
+    from corral.node import Node, NodeConfig
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -25,6 +31,32 @@ def node_config(**kw):  # type: ignore[no-untyped-def]
     )
     base.update(kw)
     return NodeConfig(**base)
+
+
+@contextlib.asynccontextmanager
+async def open_node(
+    config: NodeConfig | None = None, *, gc: bool = True, **kw: Any
+) -> AsyncIterator[Node]:
+    """A node on ``config`` (default: ``node_config(**kw)``) for a test or fixture.
+
+    With ``gc``, what an earlier, crashed run left on its dirs is removed first. At the
+    end its sandboxes are destroyed, it is closed and its run dir is removed.
+
+        async with open_node(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE) as n:
+            ...
+    """
+    from corral.node import Node
+
+    n = await Node.open(config if config is not None else node_config(**kw))
+    try:
+        if gc:
+            await n.gc(everything=True)
+        yield n
+    finally:
+        for info in await n.sandbox_list():
+            await n.sandbox_destroy(info.id)
+        await n.close()
+        shutil.rmtree(n.config.run_dir, ignore_errors=True)
 
 
 def _ensure_images() -> None:
@@ -85,18 +117,8 @@ def images_ready() -> None:
 
 @pytest.fixture(scope="session")
 async def node(images_ready):  # type: ignore[no-untyped-def]
-    from corral.node import Node
-
-    n = await Node.open(node_config())
-    await n.gc(everything=True)  # leftovers of an earlier, crashed run
-    try:
+    async with open_node() as n:
         yield n
-    finally:
-        for info in await n.sandbox_list():
-            await n.sandbox_destroy(info.id)
-        await n.close()
-        if TEST_RUN.exists():
-            shutil.rmtree(TEST_RUN, ignore_errors=True)
 
 
 @pytest.fixture

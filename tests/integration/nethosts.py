@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from corral.bench.netns_host import NetnsHost, wait_port
 from tests.conftest import TAG
 
 PKGS_IP, NPM_IP, DNS_IP = "10.250.1.2", "10.250.2.2", "10.250.3.2"
@@ -52,10 +53,6 @@ while True:
         r.header.rcode = RCODE.NXDOMAIN
     s.sendto(r.pack(), addr)
 """
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
 def build_wheel(dst: Path, name: str = "tinypkg", version: str = "1.0") -> Path:
@@ -87,8 +84,16 @@ class TestHosts:
 
     def __init__(self) -> None:
         self.prefix = f"corral-test{TAG}"
-        self.ns = {k: f"{self.prefix}-{k}" for k in ("pkgs", "npm", "dns")}
-        self.veths = {k: f"ctn{TAG}{i}" for i, k in enumerate(("pkgs", "npm", "dns"), 1)}
+        self.hosts = {
+            k: NetnsHost(
+                ns=f"{self.prefix}-{k}",
+                veth=f"ctn{TAG}{i}",
+                host_ip=f"10.250.{i}.1",
+                ip=f"10.250.{i}.2",
+                default_route=True,
+            )
+            for i, k in enumerate(("pkgs", "npm", "dns"), 1)
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.dir = Path(tempfile.mkdtemp(prefix="corral-nethosts-"))
         self.dns_log = self.dir / "dns.log"
@@ -107,17 +112,8 @@ class TestHosts:
     def _start(self) -> None:
         self.close(quiet=True)  # leftovers of a crashed run
         self.dir.mkdir(exist_ok=True)
-        for i, key in enumerate(("pkgs", "npm", "dns"), 1):
-            ns, veth = self.ns[key], self.veths[key]
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "addr", "add", f"10.250.{i}.1/24", "dev", veth)
-            _sh("ip", "link", "set", veth, "up")
-            Path(f"/proc/sys/net/ipv4/conf/{veth}/forwarding").write_text("1")
-            _sh("ip", "-n", ns, "addr", "add", f"10.250.{i}.2/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "route", "add", "default", "via", f"10.250.{i}.1")
+        for host in self.hosts.values():
+            host.up()
         # pkgs.test: /simple/tinypkg/ -> the wheel, /bulk -> BULK_SIZE bytes
         root = self.dir / "pkgs"
         (root / "simple" / "tinypkg").mkdir(parents=True)
@@ -133,43 +129,20 @@ class TestHosts:
         npm = self.dir / "npm"
         npm.mkdir()
         (npm / "index.html").write_text("npm-test-secret\n")
-        self._serve("pkgs", PKGS_IP, root)
-        self._serve("npm", NPM_IP, npm)
+        self.procs.append(self.hosts["pkgs"].serve_http(root))
+        self.procs.append(self.hosts["npm"].serve_http(npm))
         script = self.dir / "dns.py"
         script.write_text(_DNS_SERVER)
         names = ",".join(f"{k}={v}" for k, v in NAMES.items())
-        self._spawn("dns", [sys.executable, str(script), DNS_IP, names, str(self.dns_log)])
-        self._wait_port(PKGS_IP, 80)
-        self._wait_port(NPM_IP, 80)
+        dns = [sys.executable, str(script), DNS_IP, names, str(self.dns_log)]
+        self.procs.append(self.hosts["dns"].spawn(dns))
+        for ip in (PKGS_IP, NPM_IP):
+            if not wait_port(ip, 80):
+                raise RuntimeError(f"test host {ip}:80 did not come up")
         deadline = time.monotonic() + 10
         while not self.dns_log.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)
-
-    def _spawn(self, key: str, argv: list[str]) -> None:
-        p = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns[key], *argv],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.procs.append(p)
-
-    def _serve(self, key: str, ip: str, root: Path) -> None:
-        self._spawn(
-            key,
-            [sys.executable, "-m", "http.server", "80", "--bind", ip, "--directory", str(root)],
-        )
-
-    @staticmethod
-    def _wait_port(ip: str, port: int) -> None:
-        import socket
-
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=0.5):
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"test host {ip}:{port} did not come up")
 
     def dns_queries(self) -> list[str]:
         try:
@@ -184,9 +157,8 @@ class TestHosts:
             with contextlib.suppress(Exception):
                 p.wait(timeout=5)
         self.procs.clear()
-        for key in ("pkgs", "npm", "dns"):
-            subprocess.run(["ip", "link", "del", self.veths[key]], capture_output=True)
-            subprocess.run(["ip", "netns", "del", self.ns[key]], capture_output=True)
+        for host in self.hosts.values():
+            host.down()
         if not quiet:
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.dir.exists():

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import node_config
+from tests.integration.conftest import open_node
 from tests.conftest import TAG
 
 STATE = Path(f"/var/lib/corral-test{TAG}-bad")
@@ -114,11 +114,8 @@ class World:
 @pytest.fixture(scope="module")
 async def world(images_ready) -> AsyncIterator[World]:  # type: ignore[no-untyped-def]
     from corral.api.app import create_app
-    from corral.node import Node
 
-    node = await Node.open(node_config(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE))
-    await node.gc(everything=True)  # leftovers of an earlier, crashed run
-    try:
+    async with open_node(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE) as node:
         transport = httpx.ASGITransport(app=create_app(node))
         async with httpx.AsyncClient(
             transport=transport, base_url="http://corral.test", timeout=120
@@ -136,11 +133,6 @@ async def world(images_ready) -> AsyncIterator[World]:  # type: ignore[no-untype
             w.snapshot = await w.files_of(w.bystander)
             await w.unharmed()
             yield w
-    finally:
-        for info in await node.sandbox_list():
-            await node.sandbox_destroy(info.id)
-        await node.close()
-        shutil.rmtree(RUN, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------- create

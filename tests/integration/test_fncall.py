@@ -19,6 +19,7 @@ from corral.backends.fncall.config import (
     PoolConfig,
 )
 from tests.conftest import TAG, TEST_STORE
+from tests.integration.conftest import node_config
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -55,16 +56,14 @@ def ensure_fncall_image() -> None:
 
 @pytest.fixture(scope="module")
 async def fnode(images_ready):  # type: ignore[no-untyped-def]
-    from corral.node import Node, NodeConfig
+    from corral.node import Node
 
     await asyncio.to_thread(ensure_fncall_image)
-    cfg = NodeConfig(
+    cfg = node_config(
         state_dir=STATE,
         run_dir=RUN,
-        store=TEST_STORE,
         cgroup_subtree=SUBTREE,
         scratch_size="8GiB",
-        reaper_interval=0.5,
         fncall=FnCallConfig(
             default_image=IMAGE,
             idle_trim=1.0,

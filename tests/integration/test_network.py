@@ -22,7 +22,7 @@ from corral.node import Node
 from corral.node.network import veth_name
 from corral.spec import Event, ExecRequest, Limits, NetworkPolicy, SandboxSpec
 from tests.conftest import TAG
-from tests.integration.conftest import node_config
+from tests.integration.conftest import node_config, open_node
 from tests.integration.nethosts import DNS_IP, NPM_IP, PKGS_IP, TestHosts, network_config
 
 STATE = Path(f"/var/lib/corral-test{TAG}-net")
@@ -70,18 +70,11 @@ def hosts():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 async def net_node(images_ready, hosts):  # type: ignore[no-untyped-def]
-    n = await Node.open(_cfg())
-    await n.gc(everything=True)
-    try:
-        yield n
-    finally:
-        for info in await n.sandbox_list():
-            await n.sandbox_destroy(info.id)
+    async with open_node(_cfg()) as n:
         dev = n.network.dev
-        await n.close()
-        shutil.rmtree(RUN, ignore_errors=True)
-        assert not _table_exists(), "the node's nft table outlived it"
-        assert not _link_exists(dev), "the node's gateway device outlived it"
+        yield n
+    assert not _table_exists(), "the node's nft table outlived it"
+    assert not _link_exists(dev), "the node's gateway device outlived it"
 
 
 async def _create(node: Node, allow: list[str], deny: list[str] | None = None) -> str:

@@ -4,7 +4,6 @@ exit status, window size, signals, auth, hang-up, and ``corral sandbox shell`` o
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from corral.host import leaks
 from corral.node import Node
 from corral.sdk._http import HTTPOps
 from corral.spec import ExecRequest, Limits, SandboxSpec
-from tests.integration.conftest import node_config
+from tests.integration.conftest import open_node
 from tests.unit.test_pty_ws import run_cli_in_pty
 from tests.conftest import TAG
 
@@ -28,8 +27,7 @@ SUBTREE = f"corral-test{TAG}-pty"
 
 @pytest.fixture
 async def served(images_ready: None, tmp_path: Path) -> AsyncIterator[tuple[Node, HTTPOps, str]]:
-    node = await Node.open(node_config(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE))
-    try:
+    async with open_node(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE, gc=False) as node:
         spec = SandboxSpec(image="test/debian", limits=Limits(memory="256MiB", disk="128MiB"))
         sid = (await node.sandbox_create(spec)).id
         async with NodeServer(node, uds=tmp_path / "api.sock") as srv:
@@ -38,11 +36,6 @@ async def served(images_ready: None, tmp_path: Path) -> AsyncIterator[tuple[Node
                 yield node, ops, sid
             finally:
                 await ops.close()
-    finally:
-        for info in await node.sandbox_list():
-            await node.sandbox_destroy(info.id)
-        await node.close()
-        shutil.rmtree(RUN, ignore_errors=True)
     found = leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)
     assert leaks.total(found) == 0, found
 

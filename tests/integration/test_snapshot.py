@@ -24,7 +24,7 @@ from corral.images.store import LayerStore
 from corral.node import Node
 from corral.spec import ExecRequest, ForkRequest, Limits, SandboxSpec
 from tests.conftest import TAG, TEST_STORE
-from tests.integration.conftest import node_config
+from tests.integration.conftest import node_config, open_node
 
 STORE = Path(f"/var/tmp/corral-test{TAG}-snapstore")
 IMAGE = "snaptest/base"
@@ -69,19 +69,10 @@ def _make_store() -> None:
 async def nodes(images_ready) -> AsyncIterator[tuple[Node, Node]]:  # type: ignore[no-untyped-def]
     shutil.rmtree(STORE, ignore_errors=True)
     _make_store()
-    a = await Node.open(_cfg(1, max_sandboxes=12))
-    b = await Node.open(_cfg(2))
     try:
-        for n in (a, b):
-            await n.gc(everything=True)
-        yield a, b
+        async with open_node(_cfg(1, max_sandboxes=12)) as a, open_node(_cfg(2)) as b:
+            yield a, b
     finally:
-        for n in (a, b):
-            for info in await n.sandbox_list():
-                await n.sandbox_destroy(info.id)
-            await n.close()
-        for i in (1, 2):
-            shutil.rmtree(f"/run/corral-test{TAG}-snap{i}", ignore_errors=True)
         shutil.rmtree(STORE, ignore_errors=True)
 
 

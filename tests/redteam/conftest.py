@@ -41,7 +41,7 @@ import pytest
 import corral
 from corral.sdk import Sandbox
 from corral.spec import ExecResult
-from tests.integration.conftest import images_ready, node_config  # noqa: F401
+from tests.integration.conftest import images_ready, open_node  # noqa: F401
 from tests.conftest import TAG
 
 
@@ -181,19 +181,8 @@ def plant_canary() -> Iterator[Callable[[str | Path], str]]:
 
 @pytest.fixture(scope="session")
 async def red_node(images_ready):  # type: ignore[no-untyped-def]  # noqa: F811
-    from corral.node import Node
-
-    n = await Node.open(
-        node_config(state_dir=RED_STATE, run_dir=RED_RUN, cgroup_subtree=RED_SUBTREE)
-    )
-    await n.gc(everything=True)  # leftovers of an earlier, crashed run
-    try:
+    async with open_node(state_dir=RED_STATE, run_dir=RED_RUN, cgroup_subtree=RED_SUBTREE) as n:
         yield n
-    finally:
-        for info in await n.sandbox_list():
-            await n.sandbox_destroy(info.id)
-        await n.close()
-        shutil.rmtree(RED_RUN, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

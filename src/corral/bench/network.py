@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.bench.netns_host import NetnsHost, wait_port
 from corral.bench.scenarios import BenchOptions, header, prepared, say
 from corral.bench.stats import p50, p99
 from corral.errors import CorralError, SandboxError
@@ -85,8 +86,12 @@ class _Server:
     """The bench's far end: a namespace with an HTTP server, and a DNS answer for it."""
 
     def __init__(self, subtree: str, size: int) -> None:
-        self.ns = f"{subtree}-netsrv"
-        self.veth = "cb" + hashlib.sha256(subtree.encode()).hexdigest()[:10]
+        self.host = NetnsHost(
+            ns=f"{subtree}-netsrv",
+            veth="cb" + hashlib.sha256(subtree.encode()).hexdigest()[:10],
+            host_ip=HOST_IP,
+            ip=SRV_IP,
+        )
         self.size = size
         self.dir = Path(tempfile.mkdtemp(prefix="corral-bench-net-"))
         self.http: subprocess.Popen[bytes] | None = None
@@ -105,34 +110,12 @@ class _Server:
         self.close()
 
     def _up(self) -> None:
-        self._down_links()
-        run = lambda *a: subprocess.run(a, check=True, capture_output=True, timeout=30)  # noqa: E731
-        run("ip", "netns", "add", self.ns)
-        run(
-            "ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.ns
-        )
-        run("ip", "addr", "add", f"{HOST_IP}/24", "dev", self.veth)
-        run("ip", "link", "set", self.veth, "up")
-        Path(f"/proc/sys/net/ipv4/conf/{self.veth}/forwarding").write_text("1")
-        run("ip", "-n", self.ns, "addr", "add", f"{SRV_IP}/24", "dev", "eth0")
-        run("ip", "-n", self.ns, "link", "set", "eth0", "up")
-        run("ip", "-n", self.ns, "link", "set", "lo", "up")
+        self.host.up()
         with open(self.dir / "bulk", "wb") as f:
             f.truncate(self.size)
-        self.http = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "http.server", "80",
-             "--bind", SRV_IP, "--directory", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection((SRV_IP, 80), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise CorralError("the bench HTTP server did not come up") from None
-                time.sleep(0.05)
+        self.http = self.host.serve_http(self.dir)
+        if not wait_port(SRV_IP, 80):
+            raise CorralError("the bench HTTP server did not come up")
         self._dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._dns.bind((HOST_IP, 53))
         self._thread = threading.Thread(target=self._serve_dns, daemon=True)
@@ -156,10 +139,6 @@ class _Server:
             with contextlib.suppress(OSError):
                 sock.sendto(r.pack(), addr)
 
-    def _down_links(self) -> None:
-        subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-
     def close(self) -> None:
         if self._dns is not None:
             with contextlib.suppress(OSError):
@@ -170,7 +149,7 @@ class _Server:
             self.http.kill()
             self.http.wait(timeout=10)
             self.http = None
-        self._down_links()
+        self.host.down()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -46,7 +46,7 @@ from corral.host.userns import UserNamespace
 from corral.images.mounts import LayerMounts
 from corral.images.store import LayerStore
 from corral.init import ensure_built
-from corral.node import snapshot
+from corral.node.snapshot import Snapshots
 from corral.node.config import NodeConfig
 from corral.node.network import NodeNetwork
 from corral.node.fncall import FnCallService
@@ -127,6 +127,13 @@ class Node:
         self._reaper: asyncio.Task[None] | None = None
         self._destroys: set[asyncio.Task[None]] = set()
         self._scratch_work: set[str] = set()  # snapshot/fork subvolumes in use (not gc's)
+        self._snapshots = Snapshots(
+            self,
+            need=self._need,
+            working=self._working,
+            create=self._create_sandbox,
+            scratch_in_use=self._scratch_work,
+        )
         self._closed = False
         self.fncall = FnCallService(self, config.fncall)
 
@@ -194,6 +201,7 @@ class Node:
                 scratch,
                 # crun and runc >= 1.1 hand the filter's notification fd to this socket.
                 listener_path=cfg.run_dir / "seccomp.sock",
+                helper_dir=cfg.state_dir / "bin",  # its fd holder (host/fdstore.py)
             )
             opened.append(security)
             backend.seccomp_notify = security.notify_path
@@ -256,6 +264,7 @@ class Node:
                     counts[d] = counts.get(d, 0) + 1
             else:
                 lost.append(info)
+        self.security.recovered()  # the fd holder forgets sandboxes not adopted
         self.layers.adopt(counts)
         await self.network.adopt(
             (i.id, i.pid, i.address, i.spec.network) for i in self._live.values() if i.address
@@ -437,11 +446,11 @@ class Node:
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
         self._check_open()
-        return await snapshot.snapshot(self, sandbox_id, name)
+        return await self._snapshots.snapshot(sandbox_id, name)
 
     async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
         self._check_open()
-        return await snapshot.fork(self, sandbox_id, req)
+        return await self._snapshots.fork(sandbox_id, req)
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
         info = self._live.get(sandbox_id)
@@ -485,11 +494,12 @@ class Node:
         await self.pauser.pause(sandbox_id)
         return await self.sandbox_get(sandbox_id)
 
-    async def sandbox_resume(self, sandbox_id: str) -> SandboxInfo:
-        """Thaw a paused sandbox; its pages come back from swap as they are touched."""
+    async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
+        """Thaw a paused sandbox; its pages come back from swap as they are touched, or with
+        ``prefetch`` are all read back at once (returns when the reads are started)."""
         self._check_open()
         self._need(sandbox_id)
-        await self.pauser.resume(sandbox_id)
+        await self.pauser.resume(sandbox_id, prefetch)
         self._touched[sandbox_id] = time.time()
         return await self.sandbox_get(sandbox_id)
 
@@ -501,12 +511,15 @@ class Node:
         done = await self.pauser.pause_many(await self.sandbox_list(labels))
         return [await self.sandbox_get(i.id) for i in done if i.id in self._live]
 
-    async def sandboxes_resume(self, labels: dict[str, str]) -> list[SandboxInfo]:
-        """Resume every paused sandbox with these labels; returns those resumed."""
+    async def sandboxes_resume(
+        self, labels: dict[str, str], prefetch: bool = False
+    ) -> list[SandboxInfo]:
+        """Resume every paused sandbox with these labels (``prefetch``: as in
+        :meth:`sandbox_resume`); returns those resumed."""
         self._check_open()
         if not labels:
             raise InvalidRequest("labels: name at least one label (e.g. job=...) to resume by")
-        done = await self.pauser.resume_many(await self.sandbox_list(labels))
+        done = await self.pauser.resume_many(await self.sandbox_list(labels), prefetch)
         now = time.time()
         for i in done:
             self._touched[i.id] = now
@@ -964,6 +977,7 @@ class Node:
                         # Kept, not forced: it may hold guest data (an unmounted rootfs).
                         log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
         removed["networks"] = await self.network.gc(set(self._live))
+        self.security.gc(set(self._live))  # a stale seccomp fd holder is ended, replaced
         if everything or not live:
             await self._teardown_shared()
             # The scratch fs and layer mounts come back on the next use of this node.

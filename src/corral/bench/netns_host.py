@@ -1,0 +1,94 @@
+"""A stand-in for a remote host: a network namespace joined to this one by a veth.
+
+The far end of ``corral bench network`` and of the network tests (tests/integration/
+nethosts.py): servers run inside the namespace on its address, sandboxes reach them over
+the node's uplink, and nothing outside this machine is ever contacted. Everything made
+here is removed by :meth:`NetnsHost.down`.
+
+Example::
+
+    host = NetnsHost(ns="corral-bench-netsrv", veth="cb0123456789",
+                     host_ip="10.251.0.1", ip="10.251.0.2")
+    host.up()
+    try:
+        http = host.serve_http(Path("/tmp/root"))
+        assert wait_port(host.ip, 80)
+        ...
+    finally:
+        http.kill()
+        host.down()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["NetnsHost", "wait_port"]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@dataclass(frozen=True)
+class NetnsHost:
+    """Namespace ``ns`` with ``eth0`` at ``ip``/24, its veth peer ``veth`` at ``host_ip``/24
+    on the host side (forwarding enabled on that interface only)."""
+
+    ns: str
+    veth: str
+    host_ip: str
+    ip: str
+    default_route: bool = False
+    """A default route via ``host_ip`` in the namespace, so its servers can answer
+    addresses outside the /24."""
+
+    def up(self) -> None:
+        """Create the namespace and its link (what a crashed run left of them goes first)."""
+        self.down()
+        _ip("netns", "add", self.ns)
+        _ip("link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.ns)
+        _ip("addr", "add", f"{self.host_ip}/24", "dev", self.veth)
+        _ip("link", "set", self.veth, "up")
+        Path(f"/proc/sys/net/ipv4/conf/{self.veth}/forwarding").write_text("1")
+        _ip("-n", self.ns, "addr", "add", f"{self.ip}/24", "dev", "eth0")
+        _ip("-n", self.ns, "link", "set", "eth0", "up")
+        _ip("-n", self.ns, "link", "set", "lo", "up")
+        if self.default_route:
+            _ip("-n", self.ns, "route", "add", "default", "via", self.host_ip)
+
+    def down(self) -> None:
+        """Remove the link and the namespace, if they are there."""
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+    def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Run ``argv`` inside the namespace (output discarded); the caller ends it."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def serve_http(self, root: Path, port: int = 80) -> subprocess.Popen[bytes]:
+        """A static HTTP server of ``root`` on ``ip``:``port`` (see :func:`wait_port`)."""
+        return self.spawn(
+            [sys.executable, "-m", "http.server", str(port), "--bind", self.ip,
+             "--directory", str(root)]
+        )  # fmt: skip
+
+
+def wait_port(ip: str, port: int, timeout: float = 15.0) -> bool:
+    """Whether a TCP connect to ``ip``:``port`` succeeds within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=0.5):
+            return True
+        time.sleep(0.05)
+    return False
