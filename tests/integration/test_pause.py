@@ -20,25 +20,12 @@ from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
 from tests.conftest import TAG
 from tests.integration.conftest import node_config
+from tests.integration.holder import HOLDER
 
 STATE = Path(f"/var/lib/corral-test{TAG}-pause")
 RUN = Path(f"/run/corral-test{TAG}-pause")
 SUBTREE = f"corral-test{TAG}-pause"
 SWAP_FILE = STATE / "swap" / "corral.swap"
-
-# A process holding 64 MiB of random bytes; prints their sha256 at start and on SIGUSR1.
-HOLDER = r"""
-import hashlib, os, signal, sys, time
-buf = bytearray(os.urandom(64 << 20))
-def report(*_):
-    with open("/tmp/sums", "a") as f:
-        f.write(hashlib.sha256(buf).hexdigest() + "\n")
-signal.signal(signal.SIGUSR1, report)
-open("/tmp/holder.pid", "w").write(str(os.getpid()))
-report()
-while True:
-    time.sleep(3600)
-"""
 
 
 def _assert_clean(state: Path, run: Path, subtree: str) -> None:

@@ -21,27 +21,13 @@ from corral.node import Node
 from corral.spec import Event, ExecRequest, Limits, SandboxSpec
 from tests.conftest import TAG
 from tests.integration.conftest import node_config
+from tests.integration.holder import HOLDER
 
 STATE = Path(f"/var/lib/corral-test{TAG}-prefetch")
 RUN = Path(f"/run/corral-test{TAG}-prefetch")
 SUBTREE = f"corral-test{TAG}-prefetch"
 SWAP_FILE = STATE / "swap" / "corral.swap"
 MIB = 1 << 20
-
-# A process holding 64 MiB of random bytes; appends their sha256 to /tmp/sums at start and
-# on SIGUSR1 (which reads every page of the buffer).
-HOLDER = r"""
-import hashlib, os, signal, time
-buf = bytearray(os.urandom(64 << 20))
-def report(*_):
-    with open("/tmp/sums", "a") as f:
-        f.write(hashlib.sha256(buf).hexdigest() + "\n")
-signal.signal(signal.SIGUSR1, report)
-open("/tmp/holder.pid", "w").write(str(os.getpid()))
-report()
-while True:
-    time.sleep(3600)
-"""
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from pathlib import Path
 from corral.backends import oci
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import InitClient
-from corral.errors import HostError
+from corral.errors import HostError, SandboxError
 from corral.host import mounts
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
@@ -242,6 +242,18 @@ class ContainerBackend:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
         # Before any guest command exists, so everything the sandbox starts inherits it.
         qos.apply(pid, spec.qos)
+        # The runtime may return while the container is still being set up (its last steps,
+        # the seccomp listener handover among them, run inside the sandbox's cgroup: for a
+        # best-effort sandbox on idle CPU only). "running" means the init answers: a node
+        # killed before that would otherwise leave a sandbox whose setup then fails.
+        try:
+            await self.client(sandbox_id).ping()
+        except SandboxError as e:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: its init did not come up ({e}); a best-effort "
+                "sandbox starts on idle CPU only, so normal-priority load on every CPU "
+                "delays it"
+            ) from None
         return pid
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:
