@@ -977,7 +977,8 @@ class Node:
                         # Kept, not forced: it may hold guest data (an unmounted rootfs).
                         log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
         removed["networks"] = await self.network.gc(set(self._live))
-        self.security.gc(set(self._live))  # a stale seccomp fd holder is ended, replaced
+        # A stale seccomp fd holder is ended and replaced (its ping may wait up to 2 s).
+        await asyncio.to_thread(self.security.gc, set(self._live))
         if everything or not live:
             await self._teardown_shared()
             # The scratch fs and layer mounts come back on the next use of this node.
