@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -31,6 +36,35 @@ def node_config(**kw):  # type: ignore[no-untyped-def]
     )
     base.update(kw)
     return NodeConfig(**base)
+
+
+def assert_no_leaks(state: Path, run: Path, subtree: str) -> None:
+    """Nothing of the node on these dirs and subtree is left (host/leaks.py). The kernel
+    frees an autoclear loop device asynchronously after the unmount; on a loaded host that
+    can take seconds, so the scan is retried for up to 30 s."""
+    from corral.host import leaks
+
+    deadline = time.monotonic() + 30
+    while leaks.total(found := leaks.scan(state, run, subtree, netns_prefix=subtree)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
+
+
+def run_bench(
+    *args: str, state: Path, run: Path, subtree: str, store: Path | None, image: str, timeout: float
+) -> dict[str, Any]:
+    """``corral bench ARGS --json`` on a bench node of its own; its last stdout line parsed."""
+    argv = [sys.executable, "-m", "corral.bench.cli", *args, "--json"]
+    argv += ["--state-dir", str(state), "--run-dir", str(run), "--cgroup-subtree", subtree]
+    argv += ["--store", str(store)] if store is not None else []
+    argv += ["--image", image]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines, r.stderr[-3000:]
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
 @contextlib.asynccontextmanager

@@ -3,15 +3,13 @@ stdout line is one JSON object of the documented shape."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TAG, TEST_STORE
+from tests.integration.conftest import run_bench
 
 STATE = Path(f"/var/lib/corral-test{TAG}-bench")
 RUN = Path(f"/run/corral-test{TAG}-bench")
@@ -20,28 +18,15 @@ RUN = Path(f"/run/corral-test{TAG}-bench")
 @pytest.fixture(scope="module")
 def bench(images_ready):  # type: ignore[no-untyped-def]
     def run(*args: str) -> dict:  # type: ignore[type-arg]
-        argv = [
-            sys.executable,
-            "-m",
-            "corral.bench.cli",
+        return run_bench(
             *args,
-            "--json",
-            "--state-dir",
-            str(STATE),
-            "--run-dir",
-            str(RUN),
-            "--cgroup-subtree",
-            f"corral-test{TAG}-bench",
-            "--store",
-            str(TEST_STORE),
-            "--image",
-            "test/busybox",
-        ]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr[-3000:]
-        lines = r.stdout.strip().splitlines()
-        assert lines, r.stderr[-3000:]
-        return json.loads(lines[-1])  # type: ignore[no-any-return]
+            state=STATE,
+            run=RUN,
+            subtree=f"corral-test{TAG}-bench",
+            store=TEST_STORE,
+            image="test/busybox",
+            timeout=120,
+        )
 
     try:
         yield run

@@ -4,18 +4,14 @@ Heavy (real memory churn and CPU burners): run with ``-m heavy``."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from corral.host import leaks
 from corral.images.store import LayerStore
 from tests.conftest import TAG, TEST_STORE
+from tests.integration.conftest import assert_no_leaks, run_bench
 
 pytestmark = pytest.mark.heavy
 
@@ -35,36 +31,24 @@ def bench(images_ready):  # type: ignore[no-untyped-def]
     store.put_image("test/debian", img.layers, env=img.env)
 
     def run(*args: str) -> dict:  # type: ignore[type-arg]
-        argv = [
-            sys.executable,
-            "-m",
-            "corral.bench.cli",
+        return run_bench(
             *args,
-            "--json",
-            "--state-dir",
-            str(STATE),
-            "--run-dir",
-            str(RUN),
-            "--cgroup-subtree",
-            SUBTREE,
-            "--image",
-            "test/debian",
-        ]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+            state=STATE,
+            run=RUN,
+            subtree=SUBTREE,
+            store=None,
+            image="test/debian",
+            timeout=600,
+        )
 
     try:
         yield run
     finally:
-        deadline = time.monotonic() + 30
-        while leaks.total(found := leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        shutil.rmtree(RUN, ignore_errors=True)
-        shutil.rmtree(STATE, ignore_errors=True)
-        assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
+        try:
+            assert_no_leaks(STATE, RUN, SUBTREE)
+        finally:
+            shutil.rmtree(RUN, ignore_errors=True)
+            shutil.rmtree(STATE, ignore_errors=True)
 
 
 def test_pause_bench(bench) -> None:  # type: ignore[no-untyped-def]

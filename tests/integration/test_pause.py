@@ -14,30 +14,17 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.host import leaks
 from corral.host import swap as swapmod
 from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
 from tests.conftest import TAG
-from tests.integration.conftest import node_config
+from tests.integration.conftest import assert_no_leaks, node_config
 from tests.integration.holder import HOLDER
 
 STATE = Path(f"/var/lib/corral-test{TAG}-pause")
 RUN = Path(f"/run/corral-test{TAG}-pause")
 SUBTREE = f"corral-test{TAG}-pause"
 SWAP_FILE = STATE / "swap" / "corral.swap"
-
-
-def _assert_clean(state: Path, run: Path, subtree: str) -> None:
-    """Nothing of the node is left. The kernel frees an autoclear loop device
-    asynchronously after the unmount; on a loaded host that can take seconds."""
-    deadline = time.monotonic() + 30
-    while True:
-        found = leaks.scan(state, run, subtree, netns_prefix=subtree)
-        if not leaks.total(found) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
 
 
 def _cfg(**kw):  # type: ignore[no-untyped-def]
@@ -279,7 +266,7 @@ async def test_paused_survives_restart(images_ready):
     finally:
         await node.close()
         shutil.rmtree(run, ignore_errors=True)
-    _assert_clean(state, run, f"corral-test{TAG}-pause2")
+    assert_no_leaks(state, run, f"corral-test{TAG}-pause2")
     shutil.rmtree(state)  # nothing of it is mounted any more (checked just above)
 
 
@@ -303,7 +290,7 @@ async def test_zram_swap_added_and_removed(images_ready):
     assert devs[0] not in swapmod.active()
     assert not Path(f"/sys/block/{devs[0].removeprefix('/dev/')}").exists()
     assert not (state / "swap.json").exists()
-    _assert_clean(state, run, f"corral-test{TAG}-zram")
+    assert_no_leaks(state, run, f"corral-test{TAG}-zram")
     shutil.rmtree(state)
 
 
@@ -329,7 +316,7 @@ async def test_gc_removes_swap_a_crashed_node_left(images_ready):
     finally:
         swapmod.remove(zram)
         swapmod.remove(dev)
-    _assert_clean(state, run, f"corral-test{TAG}-swapgc")
+    assert_no_leaks(state, run, f"corral-test{TAG}-swapgc")
     shutil.rmtree(state)
 
 
@@ -342,5 +329,5 @@ async def test_zz_swap_file_removed_on_close(pnode: Node):
     await pnode.close()
     assert str(SWAP_FILE) not in swapmod.active()
     assert not SWAP_FILE.exists()
-    _assert_clean(STATE, RUN, SUBTREE)
+    assert_no_leaks(STATE, RUN, SUBTREE)
     shutil.rmtree(STATE)

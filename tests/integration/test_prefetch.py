@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.host import leaks
 from corral.host import swap as swapmod
 from corral.node import Node
 from corral.spec import Event, ExecRequest, Limits, SandboxSpec
 from tests.conftest import TAG
-from tests.integration.conftest import node_config
+from tests.integration.conftest import assert_no_leaks, node_config
 from tests.integration.holder import HOLDER
 
 STATE = Path(f"/var/lib/corral-test{TAG}-prefetch")
@@ -197,10 +196,5 @@ async def test_zz_swap_file_removed_on_close(pnode: Node):
     await pnode.close()
     assert str(SWAP_FILE) not in swapmod.active()
     assert not SWAP_FILE.exists()
-    deadline = time.monotonic() + 30  # autoclear loop devices go asynchronously
-    while leaks.total(found := leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
+    assert_no_leaks(STATE, RUN, SUBTREE)
     shutil.rmtree(STATE)

@@ -196,6 +196,7 @@ class ContainerBackend:
             # crun opens the namespace in its own process: an fd does (no mount churn).
             path = None if self.runtime.name == "crun" else d / "userns"
             userns = SandboxUserns(owner, self.host_uid, self.id_count, path)
+        latency = spec.qos == "latency"  # its cgroup's place (Cgroups.prepare)
         sock_path = self.socket_path(sandbox_id)
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -206,7 +207,7 @@ class ContainerBackend:
                 rootfs=root,
                 init_host_path=self.init_path,
                 hostname=spec.hostname,
-                cgroups_path=self.cgroups.oci_path(sandbox_id, latency=spec.qos == "latency"),
+                cgroups_path=self.cgroups.oci_path(sandbox_id, latency=latency),
                 limits=spec.limits,
                 host_uid=self.host_uid,
                 id_count=self.id_count,
@@ -223,7 +224,7 @@ class ContainerBackend:
                 self._release_owner(sandbox_id)
             rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
             oci.write_bundle(d, config)
-            self.cgroups.prepare(latency=spec.qos == "latency")
+            self.cgroups.prepare(latency=latency)
             # After the runtime's delete (undo runs in reverse): directories it left, e.g.
             # in hierarchies it does not manage.
             undo.append(lambda: self.cgroups.remove(sandbox_id))

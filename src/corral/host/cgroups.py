@@ -26,7 +26,7 @@ from typing import Literal
 from corral.errors import HostError
 from corral.host._sys import errtext
 
-__all__ = ["detect_mode", "Cgroups", "V1_CONTROLLERS"]
+__all__ = ["detect_mode", "latency_root_of", "Cgroups", "V1_CONTROLLERS"]
 
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "blkio", "cpuset")
 _V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
@@ -95,6 +95,11 @@ def detect_mode(mountinfo_text: str | None = None, *, root: Path = _ROOT) -> Mod
     return _mode_of(_cgroup_mounts(mountinfo_text), root)
 
 
+def latency_root_of(subtree: str) -> str:
+    """The normal sibling of corral's (idle) subtree that latency sandboxes live under."""
+    return f"{subtree}-latency"
+
+
 def _check_name(name: str) -> str:
     if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise HostError(f"cgroups: bad cgroup name {name!r}")
@@ -129,7 +134,7 @@ class Cgroups:
         self.mode: str = mode or _mode_of(mounts, root)
         # Latency-class sandboxes live under this normal sibling of the (idle) subtree;
         # see prepare().
-        self.latency_root = f"{self.subtree}-latency"
+        self.latency_root = latency_root_of(self.subtree)
         self._prepared: set[str] = set()
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
@@ -551,7 +556,7 @@ class Cgroups:
     def cpu_class(self, name: str) -> dict[str, int]:
         """The cpu scheduling knobs of cgroup ``name``: ``weight`` (v2 cpu.weight, or v1
         cpu.shares), ``idle`` (if the kernel has cpu.idle) and ``group_idle`` (whether
-        its parent group is idle: on v1 the idle root of best-effort sandboxes)."""
+        its parent group is idle: corral's subtree is, the latency root is not)."""
         d = self._dir("cpu", name) if self.mode != "v2" else self._dir("", name)
         out = {"weight": int(self._read(d / ("cpu.weight" if self.mode == "v2" else "cpu.shares")))}
         if (d / "cpu.idle").exists():

@@ -74,7 +74,15 @@ from pathlib import Path
 from corral.errors import HostError
 from corral.host.cbuild import build_static
 
-__all__ = ["SOURCE", "FdStore", "end_stale", "ensure_built", "holder_pid", "is_holder"]
+__all__ = [
+    "SOURCE",
+    "FdStore",
+    "end_stale",
+    "ensure_built",
+    "holder_pid",
+    "holder_socket",
+    "is_holder",
+]
 
 log = logging.getLogger("corral.fdstore")
 
@@ -276,20 +284,21 @@ def _starttime(pid: int) -> int | None:
     return int(fields[19])
 
 
-def is_holder(pid: int, run_dir: Path) -> bool:
-    """Whether ``pid`` is a live corral-fdstore serving ``run_dir``'s socket."""
+def holder_socket(pid: int) -> str | None:
+    """The socket ``pid`` serves if it is a corral-fdstore (by its cmdline), else None."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except OSError:
-        return False
-    sock = str(run_dir / SOCK_NAME).encode()
-    return (
-        len(argv) >= 2
-        and os.path.basename(argv[0]).startswith(PROGRAM.encode() + b"-")
-        and argv[1] == sock
-        and _starttime(pid) is not None
-    )
+        return None
+    if len(argv) < 2 or not os.path.basename(argv[0]).startswith(PROGRAM.encode() + b"-"):
+        return None
+    return argv[1].decode(errors="replace")
+
+
+def is_holder(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` is a live corral-fdstore serving ``run_dir``'s socket."""
+    return holder_socket(pid) == str(run_dir / SOCK_NAME) and _starttime(pid) is not None
 
 
 def holder_pid(run_dir: Path) -> int | None:

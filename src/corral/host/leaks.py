@@ -11,6 +11,9 @@ import json
 import os
 from pathlib import Path
 
+from corral.host.cgroups import latency_root_of
+from corral.host.fdstore import holder_socket
+
 __all__ = ["fd_holders", "scan", "total"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -31,7 +34,7 @@ def _cgroups(subtree: str) -> list[str]:
     if not _CGROUP_ROOT.is_dir():
         return out
     for base in [_CGROUP_ROOT, *[p for p in _CGROUP_ROOT.iterdir() if p.is_dir()]]:
-        for d in (base / subtree, base / f"{subtree}-latency"):  # Cgroups.latency_root
+        for d in (base / subtree, base / latency_root_of(subtree)):
             if d.is_dir():
                 for child in d.iterdir():
                     if child.is_dir():
@@ -71,7 +74,7 @@ def _netns(prefix: str) -> list[str]:
 def _procs(subtree: str) -> list[str]:
     """Processes whose cgroup (any hierarchy) lies in corral's subtree."""
     out = []
-    needles = (f"/{subtree}/", f"/{subtree}-latency/")
+    needles = (f"/{subtree}/", f"/{latency_root_of(subtree)}/")
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -92,14 +95,9 @@ def fd_holders(run_dirs: list[Path] | None = None) -> list[str]:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
+        sock = holder_socket(int(pid))
+        if sock is None:
             continue
-        if len(argv) < 2 or not os.path.basename(argv[0]).startswith(b"corral-fdstore-"):
-            continue
-        sock = argv[1].decode(errors="replace")
         if run_dirs is None or any(sock.startswith(str(d) + "/") for d in run_dirs):
             if not _zombie(pid):
                 out.append(f"{pid} {sock}")

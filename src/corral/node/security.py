@@ -225,6 +225,15 @@ class SecurityLog:
             sb.counters.update({k: v for k, v in counters.items() if v is not None})
 
 
+def _close_all(fds_by_sandbox: dict[str, list[int]]) -> None:
+    """Close the fds the holder handed back (our copies) and forget them."""
+    for fds in fds_by_sandbox.values():
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    fds_by_sandbox.clear()
+
+
 class NodeSecurity:
     """The node's side of the security event log: the seccomp listener, the coalescing log,
     and the quota checks the node runs at the end of each exec and before a destroy.
@@ -326,13 +335,10 @@ class NodeSecurity:
 
     def recovered(self) -> None:
         """After the adoptions: the holder forgets sandboxes that did not survive."""
-        for sid, fds in self._handed.items():
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            if self.fdstore is not None:
+        if self.fdstore is not None:
+            for sid in self._handed:
                 self.fdstore.drop(sid)
-        self._handed.clear()
+        _close_all(self._handed)
 
     def gc(self, live: set[str]) -> None:
         """The holder keeps only fds of ``live`` sandboxes; one that does not answer (or was
@@ -354,11 +360,9 @@ class NodeSecurity:
         except (OSError, HostError) as e:
             _log.warning("gc: cannot start a seccomp fd holder: %s", e)
             return
-        for fds in handed.values():  # a holder we could reach after all: start clean
-            for fd in fds:
-                os.close(fd)
-        for sid in handed:
+        for sid in handed:  # a holder we could reach after all: start clean
             fresh.drop(sid)
+        _close_all(handed)
         self.fdstore = fresh  # first: a create meanwhile is kept (at worst twice)
         self.listener.for_each(lambda sid, fd: fresh.put(sid, fd) if sid in live else None)
 
@@ -412,11 +416,7 @@ class NodeSecurity:
         create's are dropped) and exits by itself if that is none."""
         self.flush()
         undecided = set(self._handed)  # an open that failed before its adoptions: keep them
-        for fds in self._handed.values():
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._handed.clear()
+        _close_all(self._handed)
         if self.fdstore is not None:
             for sid in self.fdstore.held() - self._known - undecided:
                 self.fdstore.drop(sid)
