@@ -52,6 +52,21 @@ def assert_no_leaks(state: Path, run: Path, subtree: str) -> None:
     assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
 
 
+async def close_swap_node(node: Node, swap_file: Path, subtree: str) -> None:
+    """Destroy a swap-configured node's sandboxes and close it: the swap file it added must
+    be off and gone, nothing of the node left (its state dir is removed afterwards)."""
+    from corral.host import swap as swapmod
+
+    assert str(swap_file) in swapmod.active()
+    for info in await node.sandbox_list():
+        await node.sandbox_destroy(info.id)
+    await node.close()
+    assert str(swap_file) not in swapmod.active()
+    assert not swap_file.exists()
+    assert_no_leaks(node.config.state_dir, node.config.run_dir, subtree)
+    shutil.rmtree(node.config.state_dir)
+
+
 def run_bench(
     *args: str, state: Path, run: Path, subtree: str, store: Path | None, image: str, timeout: float
 ) -> dict[str, Any]:

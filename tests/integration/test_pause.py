@@ -18,7 +18,7 @@ from corral.host import swap as swapmod
 from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
 from tests.conftest import TAG
-from tests.integration.conftest import assert_no_leaks, node_config
+from tests.integration.conftest import assert_no_leaks, close_swap_node, node_config
 from tests.integration.holder import HOLDER
 
 STATE = Path(f"/var/lib/corral-test{TAG}-pause")
@@ -321,13 +321,6 @@ async def test_gc_removes_swap_a_crashed_node_left(images_ready):
 
 
 async def test_zz_swap_file_removed_on_close(pnode: Node):
-    # Runs last in the module: close the module's node and check its swap
-    # file is gone, and that the leak scan sees nothing of the node.
-    assert str(SWAP_FILE) in swapmod.active()
-    for info in await pnode.sandbox_list():
-        await pnode.sandbox_destroy(info.id)
-    await pnode.close()
-    assert str(SWAP_FILE) not in swapmod.active()
-    assert not SWAP_FILE.exists()
-    assert_no_leaks(STATE, RUN, SUBTREE)
-    shutil.rmtree(STATE)
+    # Runs last in the module: close the module's node; its swap file and everything else
+    # of it must be gone.
+    await close_swap_node(pnode, SWAP_FILE, SUBTREE)
