@@ -68,7 +68,23 @@ from corral.spec import (
     validation_message,
 )
 
-__all__ = ["FakeNode", "FakePty", "FakePtyExit"]
+__all__ = [
+    "FakeNode",
+    "FakePty",
+    "FakePtyExit",
+    "FakeBackend",
+    "FakeCgroups",
+    "FakeScratch",
+    "open_fake_node",
+]
+
+# The real Node on a fake engine (no root): corral.testing_backend.
+from corral.testing_backend import (  # noqa: E402
+    FakeBackend,
+    FakeCgroups,
+    FakeScratch,
+    open_fake_node,
+)
 
 _BASE_LAYER = "sha256:" + "0" * 64
 _PY_LAYER = "sha256:" + "1" * 64

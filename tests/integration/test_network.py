@@ -371,8 +371,7 @@ async def test_restart_adopts_the_network_and_close_removes_it(
 async def test_gc_removes_the_network_of_a_lost_sandbox(net_node: Node) -> None:
     sid = await _create(net_node, ["pkgs"])
     # forget it as a crash would; gc kills what it does not know and drops its network
-    net_node.state.mark_destroyed(sid)
-    net_node._live.pop(sid)
+    net_node.table.remove(sid)
     removed = await net_node.gc()
     assert removed["networks"] == 1
     assert not _link_exists(veth_name(sid))

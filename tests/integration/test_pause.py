@@ -250,7 +250,7 @@ async def test_paused_survives_restart(images_ready):
         # An agent killed mid-pause: frozen, memory limit still squeezed, state "pausing".
         node.cgroups.freeze(info.id)
         node.cgroups.set_memory(info.id, 32 << 20, 0)
-        node.state.put_sandbox(node._live[info.id].model_copy(update={"state": "pausing"}))
+        node.state.put_sandbox(node.table.need(info.id).model_copy(update={"state": "pausing"}))
     finally:
         await node.close()
     node = await Node.open(cfg)

@@ -54,8 +54,7 @@ async def test_gc_after_crash(images_ready):
     try:
         info = await node.sandbox_create(SandboxSpec(image="test/busybox"))
         # forget it as a crash would: drop the row without destroying anything
-        node.state.mark_destroyed(info.id)
-        node._live.clear()
+        node.table.remove(info.id)
         removed = await node.gc()
         assert removed["containers"] == 1 and removed["subvols"] == 1
     finally:

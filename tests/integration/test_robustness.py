@@ -117,13 +117,13 @@ async def test_concurrent_destroys(rnode: Node) -> None:
 async def test_destroy_while_creating(rnode: Node) -> None:
     """A destroy of a sandbox still being created waits for the create, then wins."""
     gate = asyncio.Event()
-    orig = rnode.runtime.run_detached
+    orig = rnode.backend.runtime.run_detached
 
     async def held(*a, **kw):  # type: ignore[no-untyped-def]
         await gate.wait()
         await orig(*a, **kw)
 
-    rnode.runtime.run_detached = held  # type: ignore[method-assign]
+    rnode.backend.runtime.run_detached = held  # type: ignore[method-assign]
     try:
         create = asyncio.create_task(rnode.sandbox_create(_spec()))
         while not (listed := await rnode.sandbox_list()):
@@ -138,7 +138,7 @@ async def test_destroy_while_creating(rnode: Node) -> None:
         assert info.id == sid
         results = await asyncio.gather(*destroys, return_exceptions=True)
     finally:
-        rnode.runtime.run_detached = orig  # type: ignore[method-assign]
+        rnode.backend.runtime.run_detached = orig  # type: ignore[method-assign]
     assert sum(r is None for r in results) == 1, results
     assert all(r is None or isinstance(r, (Conflict, SandboxNotFound)) for r in results)
     assert await rnode.sandbox_list() == []
@@ -146,7 +146,7 @@ async def test_destroy_while_creating(rnode: Node) -> None:
     kinds = _destroy_events(rnode, sid)
     assert kinds.count("destroyed") == 1 and "destroy_error" not in kinds, kinds
     assert rnode.cgroups.list() == [] and rnode.scratch.subvols() == []
-    assert [c["id"] for c in await rnode.runtime.list()] == []
+    assert [c["id"] for c in await rnode.backend.runtime.list()] == []
 
 
 async def test_reaper_racing_user_destroys(rnode: Node) -> None:
@@ -167,7 +167,7 @@ async def test_reaper_racing_user_destroys(rnode: Node) -> None:
         ends = [k for k in kinds if k in ("destroyed", "ttl_expired")]
         assert len(ends) == 1 and "destroy_error" not in kinds, (i.id, kinds)
     assert [i.id for i in await rnode.sandbox_list()] == [keeper.id]
-    assert rnode.layers.mounted() == {keeper.layers[0]: 1}
+    assert rnode.backend.layers.mounted() == {keeper.layers[0]: 1}
     r = await rnode.exec(keeper.id, ExecRequest(cmd=["echo", "still here"]))
     assert r.stdout == b"still here\n"
 
@@ -368,7 +368,7 @@ async def test_thirty_concurrent(rnode: Node) -> None:
     assert [r.stdout for r in rs] == [i.id.encode() + b"\n" for i in infos]
     await asyncio.gather(*(rnode.sandbox_destroy(i.id) for i in infos))
     assert await rnode.sandbox_list() == []
-    assert rnode.layers.mounted() == {}
+    assert rnode.backend.layers.mounted() == {}
 
 
 async def test_thirty_concurrent_with_failures(rnode: Node) -> None:
@@ -440,7 +440,7 @@ async def test_close_with_creates_in_flight(images_ready, delay: float | str) ->
         assert set(made) == {i.id for i in live}
         removed = await n.gc()
         assert sum(removed.values()) == 0, removed  # nothing was left for gc to find
-        assert {c["id"] for c in await n.runtime.list()} == {i.id for i in live}
+        assert {c["id"] for c in await n.backend.runtime.list()} == {i.id for i in live}
         assert set(n.cgroups.list()) == {i.id for i in live}
         assert set(n.scratch.subvols()) == {i.id for i in live}
     finally:
@@ -452,7 +452,7 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
     """A create cancelled while the runtime is starting the container must not leave that
     container running untracked (it did, about 1 in 20 times, before run_detached waited
     for the runtime it started)."""
-    orig = rnode.runtime.run_detached
+    orig = rnode.backend.runtime.run_detached
     delay = 0.0
 
     async def cut_short(*a, **kw):  # type: ignore[no-untyped-def]
@@ -464,7 +464,7 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
         job.cancel()
         await job
 
-    rnode.runtime.run_detached = cut_short  # type: ignore[method-assign]
+    rnode.backend.runtime.run_detached = cut_short  # type: ignore[method-assign]
     try:
         for k in range(40):
             delay = 0.002 + (k % 20) * 0.001
@@ -474,10 +474,10 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
             assert await rnode.sandbox_list() == []
             stray = {c: rnode.cgroups.procs(c) for c in rnode.cgroups.list()}
             assert stray == {}, f"delay {delay:.3f}: untracked sandbox processes {stray}"
-            assert [c["id"] for c in await rnode.runtime.list()] == []
+            assert [c["id"] for c in await rnode.backend.runtime.list()] == []
             assert _dirs(rnode) == set()
     finally:
-        rnode.runtime.run_detached = orig  # type: ignore[method-assign]
+        rnode.backend.runtime.run_detached = orig  # type: ignore[method-assign]
 
 
 async def test_exec_outlives_close(images_ready) -> None:
@@ -545,12 +545,12 @@ async def main(mode):
             return p
         n.scratch.create_subvol = stuck
     else:
-        orig = n.runtime.run_detached
+        orig = n.backend.runtime.run_detached
         async def stuck(*a, **kw):
             await orig(*a, **kw)
             print("stuck", flush=True)
             await asyncio.sleep(3600)
-        n.runtime.run_detached = stuck
+        n.backend.runtime.run_detached = stuck
     await n.sandbox_create(SandboxSpec(image="test/busybox", limits=SMALL))
 
 asyncio.run(main(sys.argv[1]))
@@ -697,7 +697,7 @@ async def test_corrupt_layer(images_ready) -> None:
         assert _dirs(n) == {good.id}
         assert set(n.scratch.subvols()) == {good.id}
         assert set(n.cgroups.list()) == {good.id}
-        assert set(n.layers.mounted()) == {ok_digest}
+        assert set(n.backend.layers.mounted()) == {ok_digest}
         bad_hex = bad_digest.split(":")[1]
         assert not any(bad_hex in m for m in leaks.scan(STATE, RUN, SUBTREE)["mounts"])
         kinds = [e.kind for e in n.state.events(since_id=mark) if e.kind == "create_failed"]
@@ -780,7 +780,7 @@ async def test_destroy_never_kills_a_reused_pid(images_ready) -> None:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         for name in ("state.json", "status"):
-            f = n.runtime.root / info.id / name
+            f = n.backend.runtime.root / info.id / name
             if f.exists():
                 data = json.loads(f.read_text())
                 key = "init_process_pid" if "init_process_pid" in data else "pid"
@@ -801,7 +801,7 @@ async def test_stuck_init_gives_an_error_not_a_hang(rnode: Node) -> None:
     an exec without a timeout must not wait forever for it."""
     info = await rnode.sandbox_create(_spec())
     assert info.pid
-    rnode.backend.client(info.id).start_timeout = 0.5
+    rnode.backend.agent(info.id).start_timeout = 0.5
     os.kill(info.pid, signal.SIGSTOP)
     try:
         with pytest.raises(SandboxError, match="did not start exec within 0.5 s"):

@@ -239,7 +239,7 @@ async def test_without_the_holder_refused_calls_stay_refused(fresh_node_dirs):  
             again = await c.sandboxes.create(image=IMAGE)
             assert await _probe(again) == {"bpf": EPERM, "keyctl": EPERM}
             assert {e.detail.get("syscall") for e in await again.events()} >= {"bpf", "keyctl"}
-            if node.runtime.name == "crun":
+            if node.backend.runtime.name == "crun":
                 cfg = json.loads((node.backend.dir(again.id) / "config.json").read_text())
                 assert "run.oci.seccomp_bpf_data" in cfg["annotations"]
             for sb in (old, new, again):

@@ -1,31 +1,248 @@
-"""The protocol every isolation engine implements.
+"""The seam between the node and an isolation engine: the :class:`Backend` protocol.
 
-Where a sandbox runs (lifecycle) is the backend's; what is done in it (exec, files) goes
-through the sandbox's init and file view, which the backend hands out.
+The node uses a backend only through this protocol (``corral.node`` imports no engine's
+internals). A backend owns everything specific to its engine: for containers the OCI
+runtime, corral-init's build, user namespaces and their owner uids, the idmapped layer
+mounts and the rootfs overlays; for a microVM the VMM, its kernel and its disks. What every
+engine shares is the node's, handed over once in a :class:`HostContext`: the cgroup
+subtree, the btrfs scratch filesystem (writable layers with quotas, cheap snapshots), the
+layer store, the seccomp listener and the node's extra mounts.
+
+**The invariant** that lets pause, reclaim, prefetch, QoS and limits stay shared: every
+backend keeps all of a sandbox's processes (container tasks, or a VMM's threads) in the
+sandbox's cgroup, ``HostContext.cgroups`` under the name of :attr:`Started.cgroup`. The
+node freezes, squeezes, meters and kills through that cgroup and never asks the backend how.
+
+What is done *in* a sandbox goes through three handles a backend hands out: :meth:`agent`
+(exec, streams, background processes: corral-init over a unix socket for containers, over
+a virtio-serial channel for VMs), :meth:`files` (host-side resolution for containers,
+agent-side for VMs) and :meth:`meters` (kernel counters, None where an engine cannot see
+one).
+
+Life of a backend: constructed complete by the node (``make_backend``), :meth:`start` once,
+then per sandbox :meth:`create` (or :meth:`adopt` after an agent restart), ..., and
+:meth:`destroy`; :meth:`gc` with every live id of the node (whatever its backend: the
+subtree and the scratch fs are shared, so nobody removes another's), :meth:`stop` last.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from corral.spec import ImageInfo, SandboxSpec
+from corral.spec import BackendStatus, FileStat, ImageInfo, LayerInfo, SandboxSpec
 
-__all__ = ["Backend"]
+if TYPE_CHECKING:
+    from corral.backends.initclient import ExecStream, InitExit, InitProc
+    from corral.host.btrfs import Scratch
+    from corral.host.cgroups import Cgroups
+    from corral.images.store import LayerStore
+
+__all__ = [
+    "Agent",
+    "Backend",
+    "Files",
+    "HostContext",
+    "Meters",
+    "Started",
+    "CopyPurpose",
+    "Freezer",
+]
+
+
+@dataclass(frozen=True)
+class Started:
+    """A sandbox a backend has started (or adopted)."""
+
+    pid: int
+    """Host pid whose network namespace the node's network code plugs into (the init of a
+    container, the VMM of a VM)."""
+    cgroup: str
+    """Name of the sandbox's cgroup under the node's subtree (all its processes are there)."""
+
+
+@dataclass(frozen=True)
+class Meters:
+    """Kernel counters of one sandbox; None where the backend cannot see one."""
+
+    oom_kills: int | None = None
+    pids_refused: int | None = None
+    disk_used: int | None = None
+    memory_resident: int | None = None
+    memory_swapped: int | None = None
+
+
+@dataclass
+class HostContext:
+    """What the node shares with every backend: built once by the node, never changed."""
+
+    state_dir: Path
+    run_dir: Path
+    cgroups: Cgroups
+    scratch: Scratch
+    store: LayerStore
+    host_uid: int
+    """First host uid that root inside a sandbox maps to."""
+    id_count: int
+    seccomp_notify: str | None = None
+    """The node's seccomp listener socket (corral.node.security), if it has one."""
+    extra_mounts: list[dict[str, object]] = field(default_factory=list)
+    """OCI-style mounts every sandbox gets (the node resolver's /etc/resolv.conf)."""
+    eager_layers: bool = False
+    """Benchmark baseline: copy each layer to node-local disk before its first use."""
+
+
+CopyPurpose = Literal["snapshot", "fork"]
+
+Freezer = Callable[[], AbstractAsyncContextManager[None]]
+"""Holds the sandbox's processes frozen for a block (the node's Pauser.frozen)."""
+
+
+class Agent(Protocol):
+    """The in-sandbox agent (corral-init), whatever carries its protocol (a unix socket for
+    containers, a virtio-serial channel for VMs). Its reports are the init's own types."""
+
+    async def ping(self) -> None: ...
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        timeout: float | None = None,
+        output_limit: int = 1 << 20,
+        stdin: bytes | None = None,
+    ) -> InitExit: ...
+
+    def stream(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        timeout: float | None = None,
+        output_limit: int = 1 << 20,
+        stdin: bytes | None = None,
+        stdin_pipe: bool = False,
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        keep_output: bool = True,
+    ) -> ExecStream: ...
+
+    async def spawn(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        output_limit: int = 1 << 20,
+    ) -> tuple[str, int]: ...
+
+    async def wait(self, proc_id: str, timeout: float | None = 0) -> InitProc: ...
+    async def kill(self, proc_id: str, sig: int = 9) -> None: ...
+    async def list(self) -> list[InitProc]: ...
+
+
+class Files(Protocol):
+    """A sandbox's filesystem as the node's file API sees it (blocking calls: the node runs
+    them in threads)."""
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
+    def write(
+        self, path: str, data: bytes, mode: int = 0o644, append: bool = False
+    ) -> None: ...
+    def list(self, path: str) -> list[FileStat]: ...
+    def stat(self, path: str) -> FileStat: ...
+    def remove(self, path: str, recursive: bool = False) -> None: ...
+    def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> None: ...
+    def upload_tar(self, path: str, data: bytes) -> Any: ...
+    def download_tar(self, path: str) -> bytes: ...
 
 
 class Backend(Protocol):
-    kind: str
+    """One isolation engine of a node (see the module docstring for the life cycle)."""
 
-    async def create(self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo) -> int:
-        """Start the sandbox; returns the host pid of its init. Leaves nothing on failure."""
+    kind: str
+    """``container`` (the microVM issue adds ``microvm`` and ``vm``)."""
+
+    # node-wide
+    async def start(self) -> None:
+        """Prepare what every sandbox of this engine needs (idempotent after a crash)."""
+        ...
+
+    async def stop(self, keep_running: bool) -> None:
+        """Release this process's hold. ``keep_running``: sandboxes stay up for the next
+        agent to adopt; else node-wide pieces (mounts, helpers) are torn down too."""
+        ...
+
+    async def gc(self, live: set[str]) -> dict[str, int]:
+        """Remove what a crash left of sandboxes not in ``live`` (every live id of the node
+        and the node's work names); returns counts by kind."""
+        ...
+
+    def status(self) -> BackendStatus: ...
+
+    async def recovered(self) -> None:
+        """After the :meth:`adopt` calls of a restart: release node-wide pieces (layer
+        mounts) that no adopted sandbox holds."""
+        ...
+
+    # per sandbox
+    async def create(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        *,
+        writable_from: str | None = None,
+    ) -> Started:
+        """Start the sandbox and return once its agent answers. ``writable_from``: a work
+        copy made by :meth:`copy_writable` (purpose ``fork``) that the writable layer starts
+        as. Leaves nothing behind on failure or cancellation."""
+        ...
+
+    async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
+        """After an agent restart: take over a running sandbox; None if it is gone."""
         ...
 
     async def destroy(self, sandbox_id: str, image: ImageInfo | None) -> None:
-        """Remove every trace: processes, mounts, cgroups, writable layer, runtime state."""
+        """Remove every trace: processes, mounts, cgroup, writable layer, engine state."""
         ...
 
     def alive(self, sandbox_id: str) -> bool: ...
 
-    async def adopt(self, sandbox_id: str, image: ImageInfo) -> bool:
-        """After an agent restart: take over a running sandbox; False if it is gone."""
+    async def copy_writable(
+        self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
+    ) -> float:
+        """Copy the sandbox's writable layer to the scratch work name ``dst``, consistent
+        (taken inside ``frozen()``); ``fork`` also prepares it as a base for
+        ``create(writable_from=dst)``. Returns the seconds the sandbox was held frozen."""
         ...
+
+    async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
+        """Pack a ``snapshot`` copy's changes into a new layer of the store."""
+        ...
+
+    def agent(self, sandbox_id: str) -> Agent: ...
+    def files(self, sandbox_id: str) -> Files: ...
+    def meters(self, sandbox_id: str) -> Meters: ...
+
+    # for the reaper and gc of stray processes
+    async def kill_all(self, sandbox_id: str) -> bool:
+        """Kill every process of the sandbox; True once its cgroup was seen empty."""
+        ...
+

@@ -18,67 +18,184 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from corral.backends import oci
+from corral.backends.base import Backend, CopyPurpose, Freezer, HostContext, Meters, Started
+from corral.backends.config import ContainerConfig
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
-from corral.host import mounts
-from corral.host.btrfs import Scratch
-from corral.host.cgroups import Cgroups
+from corral.host import initfs, mounts
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
-from corral.host.userns import SandboxUserns, drop_file
+from corral.host.userns import SandboxUserns, UserNamespace, drop_file
 from corral.images.mounts import LayerMounts
+from corral.images.pack import pack_upper, scrub
+from corral.images.store import LayerStore
+from corral.init import ensure_built
 from corral.policy import qos
-from corral.spec import ImageInfo, SandboxSpec
+from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
 
-__all__ = ["ContainerBackend", "remove_sandbox_dir"]
+__all__ = ["ContainerBackend", "remove_sandbox_dir", "cgroup_meters"]
+
+log = logging.getLogger("corral.backends.container")
+
+_KEEP = ("upper", "work", "rootfs")  # what a fork base keeps of a sandbox dir
 
 
 class ContainerBackend:
+    """The container engine (see the module docstring); implements
+    :class:`corral.backends.base.Backend`. Built complete by the node, then :meth:`start`."""
+
     kind = "container"
 
-    def __init__(
-        self,
-        *,
-        sandboxes_dir: Path,
-        runtime: OCIRuntime,
-        cgroups: Cgroups,
-        layers: LayerMounts,
-        scratch: Scratch,
-        init_path: Path,
-        host_uid: int,
-        id_count: int,
-        owners: OwnerUids | None = None,
-    ) -> None:
-        self.sandboxes_dir = sandboxes_dir
-        self.runtime = runtime
-        self.cgroups = cgroups
-        self.layers = layers
-        self.scratch = scratch
-        self.init_path = init_path
-        self.host_uid = host_uid
-        self.id_count = id_count
-        # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py);
-        # None: the runtime creates it as host root (tests of the old behaviour only).
-        self.owners = owners
+    runtime: OCIRuntime
+    userns: UserNamespace
+    layers: LayerMounts
+    owners: OwnerUids | None
+    init_path: Path
+
+    def __init__(self, config: ContainerConfig, ctx: HostContext, *, owner_first: int) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.cgroups = ctx.cgroups
+        self.scratch = ctx.scratch
+        self.host_uid = ctx.host_uid
+        self.id_count = ctx.id_count
+        # Each sandbox's dir is its scratch subvolume (see _create).
+        self.sandboxes_dir = ctx.scratch.mountpoint
+        self._owner_first = owner_first
+        self._helper_dir = ctx.state_dir / "bin"
+        self._initfs = ctx.run_dir / "initfs"
         self._owner: dict[str, int] = {}
         self._clients: dict[str, InitClient] = {}
         self._fs: dict[str, SandboxFS] = {}
         self._seccomp_bpf: dict[str, str] = {}
-        self.seccomp_notify: str | None = None
-        self.extra_mounts: list[dict[str, object]] = []
-        """OCI mounts every sandbox gets (the node resolver's /etc/resolv.conf)."""
-        """The node's seccomp listener socket (corral.node.security), if it has one."""
-        sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self._adopted_layers: dict[str, int] = {}
+        self._started = False
 
-    # paths
+    # ------------------------------------------------------------------ node-wide
+    async def start(self) -> None:
+        """Pick the OCI runtime, build and install corral-init, make the node's user
+        namespace, claim the owner uid range and prepare the layer mounts."""
+        if self._started:
+            return
+        ctx = self.ctx
+        self.runtime = OCIRuntime.detect(
+            ctx.cgroups.mode,
+            root_base=ctx.run_dir,
+            prefer=None if self.config.runtime == "auto" else self.config.runtime,
+            helper_dir=self._helper_dir,
+            root_tmpfs=True,
+        )
+        opened: list[Callable[[], object]] = [self.runtime.close]
+        try:
+            self.init_path = await asyncio.to_thread(self._install_init)
+            self.userns = UserNamespace.create(ctx.host_uid, ctx.id_count)
+            opened.append(self.userns.close)
+            resolve: Callable[[str], Path] = ctx.store.path_of
+            if ctx.eager_layers:
+                resolve = _eager_resolver(ctx.store, ctx.state_dir / "eager")
+            self.layers = LayerMounts(ctx.state_dir / "mnt", resolve, ctx.store.verify, self.userns)
+            # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
+            self.owners = OwnerUids(self._owner_first, self.config.owner_uids)
+            opened.append(self.owners.close)
+        except BaseException:
+            for close in reversed(opened):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self._started = True
+
+    def _install_init(self) -> Path:
+        """Build corral-init if needed and put it on its own tmpfs (see corral.host.initfs)."""
+        return initfs.install(self._initfs, ensure_built(self._helper_dir))
+
+    async def recovered(self) -> None:
+        """After the adoptions of a restart: the layer mounts keep the refcounts of the
+        adopted sandboxes; mounts no adopted sandbox uses go."""
+        counts, self._adopted_layers = self._adopted_layers, {}
+        await asyncio.to_thread(self.layers.adopt, counts)
+
+    async def stop(self, keep_running: bool) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            if not keep_running:
+                await asyncio.to_thread(self._teardown)
+        finally:
+            self.userns.close()
+            if self.owners is not None:
+                self.owners.close()  # its host-wide claims go with it
+            self.runtime.close()
+
+    def _teardown(self) -> None:
+        initfs.remove(self._initfs)
+        self.layers.unmount_all()
+        self.runtime.teardown()  # its tmpfs at --root, if it made one
+        for d in (self.runtime.root, self.runtime.root.with_name(self.runtime.root.name + "-log")):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    async def gc(self, live: set[str]) -> dict[str, int]:
+        """Runtime containers, rootfs mounts, cgroups, writable layers and dirs of no live
+        sandbox; a stray process keeping a cgroup busy (a create cut short) is killed."""
+        removed = {"containers": 0, "mounts": 0, "cgroups": 0, "subvols": 0}
+        for c in await self.runtime.list():
+            cid = c.get("id", "")
+            if cid and cid not in live:
+                await self.kill_all(cid)
+                await self.runtime.delete(cid, force=True)
+                removed["containers"] += 1
+        for m in mounts.mounts_under(self.sandboxes_dir):
+            # Only sandbox rootfs mounts (DIR/<id>/rootfs): DIR itself is the scratch mount.
+            if m.parent.parent == self.sandboxes_dir and m.parent.name not in live:
+                mounts.umount(m, detach=True)
+                removed["mounts"] += 1
+        for name in self.cgroups.list():
+            if name not in live:
+                await self.kill_all(name)
+                self.cgroups.remove(name)
+                removed["cgroups"] += 1
+        for name in self.scratch.subvols():
+            if name not in live and name.startswith("sb-"):
+                self.scratch.delete_subvol(name)
+                removed["subvols"] += 1
+        if self.sandboxes_dir.exists():
+            for d in self.sandboxes_dir.iterdir():
+                if d.name not in live and d.name.startswith("sb-"):
+                    try:
+                        remove_sandbox_dir(d)
+                    except OSError as e:
+                        # Kept, not forced: it may hold guest data (an unmounted rootfs).
+                        log.warning("gc: sandbox dir %s left in place: %s", d, e.strerror)
+        return removed
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(
+            kind=self.kind,
+            ok=self._started,
+            detail={
+                "runtime": self.runtime.name if self._started else "",
+                "layer_mounts": str(len(self.layers.mounted())) if self._started else "0",
+            },
+        )
+
+    def mounted_layers(self) -> int:
+        return len(self.layers.mounted()) if self._started else 0
+
+    # ------------------------------------------------------------------ paths and handles
     def dir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id
 
@@ -88,13 +205,13 @@ class ContainerBackend:
     def socket_path(self, sandbox_id: str) -> Path:
         return self.dir(sandbox_id) / "ctl.sock"
 
-    def client(self, sandbox_id: str) -> InitClient:
+    def agent(self, sandbox_id: str) -> InitClient:
         c = self._clients.get(sandbox_id)
         if c is None:
             c = self._clients[sandbox_id] = InitClient(self.socket_path(sandbox_id))
         return c
 
-    def fs(self, sandbox_id: str) -> SandboxFS:
+    def files(self, sandbox_id: str) -> SandboxFS:
         f = self._fs.get(sandbox_id)
         if f is None:
             f = self._fs[sandbox_id] = SandboxFS(
@@ -105,15 +222,24 @@ class ContainerBackend:
             )
         return f
 
+    def meters(self, sandbox_id: str) -> Meters:
+        return cgroup_meters(self.ctx, sandbox_id)
+
     # lifecycle
     async def create(
-        self, sandbox_id: str, spec: SandboxSpec, image: ImageInfo, base: str | None = None
-    ) -> int:
-        """Start a sandbox; with ``base`` (a scratch subvolume laid out like a sandbox dir,
-        see corral.node.snapshot), its writable layer starts as a snapshot of that one."""
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        *,
+        writable_from: str | None = None,
+    ) -> Started:
+        """Start a sandbox; with ``writable_from`` (a fork base made by
+        :meth:`copy_writable`), its writable layer starts as a snapshot of that one."""
         undo: list[Callable[[], object]] = []
         try:
-            return await self._create(sandbox_id, spec, image, undo, base)
+            pid = await self._create(sandbox_id, spec, image, undo, writable_from)
+            return Started(pid=pid, cgroup=sandbox_id)
         except BaseException:
             for step in reversed(undo):
                 with contextlib.suppress(Exception):
@@ -214,8 +340,8 @@ class ContainerBackend:
                 annotations={"corral.sandbox": sandbox_id, "corral.image": image.digest},
                 userns_path=None if userns is None else userns.join_path,
                 userns_mappings=self.runtime.name == "runc",
-                notify=self.seccomp_notify,
-                extra_mounts=[*self.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
+                notify=self.ctx.seccomp_notify,
+                extra_mounts=[*self.ctx.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
                 readonly_root=spec.readonly_rootfs,
             )
             bpf_key = self._reuse_seccomp_bpf(config)
@@ -248,7 +374,7 @@ class ContainerBackend:
         # best-effort sandbox on idle CPU only). "running" means the init answers: a node
         # killed before that would otherwise leave a sandbox whose setup then fails.
         try:
-            await self.client(sandbox_id).ping()
+            await self.agent(sandbox_id).ping()
         except SandboxError as e:
             raise SandboxError(
                 f"sandbox {sandbox_id}: its init did not come up ({e}); a best-effort "
@@ -307,15 +433,6 @@ class ContainerBackend:
                 return int(pid)
         return None
 
-    def freeze(self, sandbox_id: str) -> None:
-        """Freeze every process of the sandbox (cgroup freezer). Pause, snapshots and forks
-        go through the node's :class:`corral.node.pause.Pauser`, which keeps the state."""
-        self.cgroups.freeze(sandbox_id)
-
-    def thaw(self, sandbox_id: str) -> None:
-        """Thaw what :meth:`freeze` froze."""
-        self.cgroups.thaw(sandbox_id)
-
     def alive(self, sandbox_id: str) -> bool:
         pid = self.init_pid(sandbox_id)
         if not pid:
@@ -361,15 +478,19 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
         return False
 
-    async def adopt(self, sandbox_id: str, image: ImageInfo) -> bool:
+    async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
         ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
         pid = self.init_pid(sandbox_id)
-        if ok and pid and self.owners is not None:
+        if not ok or not pid:
+            return None
+        if self.owners is not None:
             # The kernel remembers who owns the namespace: claim that uid again.
             owner = namespace_owner(pid)
             if owner is not None and self.owners.claim(owner):
                 self._owner[sandbox_id] = owner
-        return ok
+        for d in image.layers:
+            self._adopted_layers[d] = self._adopted_layers.get(d, 0) + 1
+        return Started(pid=pid, cgroup=sandbox_id)
 
     def _release_owner(self, sandbox_id: str) -> None:
         owner = self._owner.pop(sandbox_id, None)
@@ -421,6 +542,116 @@ class ContainerBackend:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
 
+    # ------------------------------------------------------------------ snapshot, fork
+    async def copy_writable(
+        self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
+    ) -> float:
+        """Snapshot the sandbox's subvolume as ``dst`` with its processes frozen, so no
+        write is caught half done (a write(2) in flight finishes before its task freezes).
+
+        A btrfs snapshot first writes out the subvolume's dirty data (~1 s for 500 MiB just
+        written). A throwaway snapshot taken beforehand, while the sandbox runs, does that
+        writeback, so the frozen one only flushes what came since: the sandbox stays frozen
+        for milliseconds. A ``fork`` copy is then reduced to a fork base (the scrubbed
+        upper, an empty work dir, the rootfs mountpoint). Returns the seconds held frozen.
+        """
+        scratch = self.scratch
+        await _in_thread(scratch.snapshot, sandbox_id, dst, None)
+        await _in_thread(scratch.delete_subvol, dst)
+        t0 = asyncio.get_running_loop().time()
+        async with frozen():
+            scratch.snapshot(sandbox_id, dst, None)
+        held = asyncio.get_running_loop().time() - t0
+        if purpose == "fork":
+            await _in_thread(_reset_base, scratch.mountpoint / dst)
+        return held
+
+    async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
+        """The copy's upper, scrubbed of corral's own files, as a new EROFS layer; its
+        files' owners mapped back from the sandbox's range (an inverse idmapped mount)."""
+        inverse = UserNamespace.create(self.host_uid, self.id_count, inverse=True)
+        try:
+            job = asyncio.ensure_future(
+                asyncio.to_thread(
+                    functools.partial(
+                        pack_upper,
+                        self.ctx.store,
+                        self.scratch.mountpoint / work / "upper",
+                        inverse=inverse,
+                        mount_dir=self.ctx.state_dir / "pack" / work,
+                        source=source,
+                        max_bytes=max_bytes,
+                    )
+                )
+            )
+            try:
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await asyncio.wait([job])
+                raise
+        finally:
+            inverse.close()
+
+
+def cgroup_meters(ctx: HostContext, sandbox_id: str) -> Meters:
+    """Meters of a sandbox whose processes are in its cgroup and whose writable layer is its
+    scratch subvolume (every backend keeps that invariant); unreadable ones are None."""
+    oom = pids = disk = resident = swapped = None
+    with contextlib.suppress(Exception):
+        oom = ctx.cgroups.oom_kills(sandbox_id)
+    with contextlib.suppress(Exception):
+        text = ctx.cgroups.control_file("pids", sandbox_id, "pids.events").read_text()
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "max":
+                pids = int(v)
+    with contextlib.suppress(Exception):
+        disk = ctx.scratch.usage(sandbox_id)
+    with contextlib.suppress(Exception):
+        resident, swapped = ctx.cgroups.memory_usage(sandbox_id)
+    return Meters(
+        oom_kills=oom,
+        pids_refused=pids,
+        disk_used=disk,
+        memory_resident=resident,
+        memory_swapped=swapped,
+    )
+
+
+def _reset_base(d: Path) -> None:
+    """Turn a snapshot of a sandbox dir into a fork base: only the upper (scrubbed of
+    corral's files), an empty work dir and the rootfs mountpoint stay."""
+    for entry in os.scandir(d):
+        if entry.name in _KEEP:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    scrub(d / "upper")
+    # Overlay's work dir may hold a half-done copy-up of the parent's: start empty.
+    work = d / "work"
+    st = os.lstat(work)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(work)
+    work.mkdir()
+
+
+def _eager_resolver(store: LayerStore, local: Path) -> Callable[[str], Path]:
+    """Benchmark baseline: copy a layer to node-local disk before its first mount."""
+    local.mkdir(parents=True, exist_ok=True)
+
+    def resolve(digest: str) -> Path:
+        dst = local / (digest.split(":", 1)[1] + ".erofs")
+        if not dst.exists():
+            tmp = dst.with_suffix(".tmp")
+            shutil.copyfile(store.path_of(digest), tmp)
+            os.replace(tmp, dst)
+        return dst
+
+    return resolve
+
+
 async def _in_thread(fn: Callable[..., object], *args: object) -> None:
     """``fn(*args)`` in a worker thread; if the caller is cancelled, it still waits for the
     thread to end, so the caller's undo never runs before what it undoes exists."""
@@ -458,3 +689,9 @@ def remove_sandbox_dir(d: Path) -> None:
         (d / "rootfs").rmdir()  # fails (and so keeps guest data) if still mounted
     with contextlib.suppress(FileNotFoundError):
         d.rmdir()
+
+
+if TYPE_CHECKING:  # mypy checks the engine against the protocol the node uses
+
+    def _conforms(b: ContainerBackend) -> Backend:
+        return b

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from corral.backends.config import BackendConfig, ContainerConfig
 from corral.backends.fncall.config import FnCallConfig
 from corral.policy.network import NetworkConfig
 from corral.spec import ByteSize
@@ -47,15 +48,17 @@ class NodeConfig(BaseModel):
     host_uid: int = Field(100000, ge=1000)
     """First host uid/gid that root inside a sandbox maps to."""
     id_count: int = Field(65536, ge=1024)
-    owner_uid: int | None = Field(None, ge=1)
-    """First of the host uids that own sandbox user namespaces, one per sandbox (see
-    corral.host.owners; nothing else on the host may use them); default
-    ``host_uid + id_count``, right after the mapped range."""
-    owner_uids: int = Field(65536, ge=1)
-    """How many owner uids (at most that many sandboxes on the host at once)."""
     scratch_size: ByteSize = 64 << 30
-    """Size of the sparse btrfs scratch image holding writable layers."""
-    runtime: Literal["auto", "runc", "crun"] = "auto"
+    """Size of the sparse btrfs image holding writable layers."""
+    backends: list[BackendConfig] = Field(
+        default_factory=lambda: [ContainerConfig()], min_length=1
+    )
+    """The isolation engines this node runs (``[[node.backends]]`` with ``kind``); each kind
+    at most once."""
+    default_backend: str = "container"
+    """The engine of a sandbox whose spec names none."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """This node's labels (e.g. ``pool = "onprem"``), reported in its status for placement."""
     max_sandboxes: int = Field(4096, ge=1)
     reaper_interval: float = Field(1.0, gt=0)
     event_retention: int = Field(1_000_000, ge=1000)
@@ -64,6 +67,7 @@ class NodeConfig(BaseModel):
     """Unix socket of ``corral node serve``; default ``run_dir/api.sock``."""
     cgroup_subtree: str = Field("corral", pattern=r"^corral[a-z0-9-]*$")
     eager_layers: bool = False
+    """Benchmark baseline only: copy each layer to node-local disk before mounting."""
     swap: SwapConfig = Field(default_factory=SwapConfig)
     """Swap for paused sandboxes, e.g. ``[node.swap] kind = "file"``, ``size = "8GiB"``."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)
@@ -72,21 +76,36 @@ class NodeConfig(BaseModel):
     fncall: FnCallConfig = Field(default_factory=FnCallConfig)
     """Warm pools for short calls (``[node.fncall]``): default image, pools per image,
     languages; see corral.backends.fncall.config."""
-    """Benchmark baseline only: copy each layer to node-local disk before mounting."""
 
-    @property
-    def owner_first(self) -> int:
-        return self.host_uid + self.id_count if self.owner_uid is None else self.owner_uid
+    def backend_config(self, kind: str) -> BackendConfig | None:
+        return next((b for b in self.backends if b.kind == kind), None)
 
     @model_validator(mode="after")
-    def _owners_apart(self) -> NodeConfig:
-        first, end = self.owner_first, self.owner_first + self.owner_uids
-        if first < self.host_uid + self.id_count and self.host_uid < end:
+    def _check_backends(self) -> NodeConfig:
+        kinds = [b.kind for b in self.backends]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"backends: each kind at most once, got {kinds}")
+        if self.default_backend not in kinds:
             raise ValueError(
-                f"owner uids {first}..{end - 1} overlap the mapped sandbox ids "
-                f"{self.host_uid}..{self.host_uid + self.id_count - 1}"
+                f"default_backend: {self.default_backend!r} is not among the configured "
+                f"backends {kinds}"
             )
+        for b in self.backends:
+            if isinstance(b, ContainerConfig):
+                first = self.owner_first(b)
+                end = first + b.owner_uids
+                if first < self.host_uid + self.id_count and self.host_uid < end:
+                    raise ValueError(
+                        f"owner uids {first}..{end - 1} overlap the mapped sandbox ids "
+                        f"{self.host_uid}..{self.host_uid + self.id_count - 1}"
+                    )
         return self
+
+    def owner_first(self, container: ContainerConfig) -> int:
+        """First owner uid of the container backend (see ContainerConfig.owner_uid)."""
+        if container.owner_uid is not None:
+            return container.owner_uid
+        return self.host_uid + self.id_count
 
     @property
     def store_dir(self) -> Path:

@@ -241,7 +241,7 @@ class FnCallService:
         ps = PoolSandbox(
             info.id,
             cfg.image,
-            self.node.backend.client(info.id),
+            self.node.backend_of(info.id).agent(info.id),
             self.node.cgroups,
             info.pid or 0,
             dirs,

@@ -50,7 +50,7 @@ from corral.host.netlink import Links
 from corral.host.nft import Nft, NftError
 from corral.node.resolver import Resolver
 from corral.policy.network import Compiled, NetworkConfig
-from corral.spec import NetworkPolicy
+from corral.spec import NetworkPolicy, sandbox_local
 
 __all__ = ["NodeNetwork", "veth_name"]
 
@@ -63,12 +63,14 @@ _MAX_ANSWER_ADDRS = 32
 
 
 def veth_name(sandbox_id: str) -> str:
-    """Host-side veth of a sandbox (IFNAMSIZ is 16 with the NUL: 'cv' + 12 id chars)."""
-    return "cv" + sandbox_id.removeprefix("sb-")[:12]
+    """Host-side veth of a sandbox (IFNAMSIZ is 16 with the NUL: 'cv' + the id's 12-char
+    local part, unique per host whichever node of the host owns it)."""
+    return "cv" + sandbox_local(sandbox_id)
 
 
 def _key(sandbox_id: str) -> str:
-    return sandbox_id.removeprefix("sb-")
+    """The sandbox's key in the node's nft sets and maps (the id's local part)."""
+    return sandbox_local(sandbox_id)
 
 
 @dataclass

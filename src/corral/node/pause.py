@@ -39,7 +39,8 @@ from corral.errors import Conflict, CorralError, HostError, InvalidRequest
 from corral.host import prefetch as prefetchmod
 from corral.host import swap as swapmod
 from corral.host.cgroups import Cgroups
-from corral.spec import SandboxInfo
+from corral.node.table import SandboxTable
+from corral.spec import SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from corral.node.config import SwapConfig
@@ -104,22 +105,20 @@ class NodeSwap:
 
 
 class Pauser:
-    """Pauses and resumes the sandboxes of one node; the node keeps the states.
-
-    ``get``/``put`` read and write the node's SandboxInfo (live dict + state db) and
-    ``event`` records an event; so this class owns no state but the running reclaims.
+    """Pauses and resumes the sandboxes of one node; the :class:`SandboxTable` keeps the
+    states (and refuses a change a destroy has overtaken), ``event`` records events; so this
+    class owns no state but the running reclaims.
     """
 
     def __init__(
         self,
         cgroups: Cgroups,
-        get: Callable[[str], SandboxInfo | None],
-        put: Callable[[SandboxInfo], None],
+        table: SandboxTable,
         event: Callable[[str, str, dict[str, Any]], object],
-        busy: Callable[[str], bool] = lambda _: False,
     ) -> None:
         self.cgroups = cgroups
-        self._get, self._put, self._event, self._busy = get, put, event, busy
+        self.table = table
+        self._event = event
         self._stops: dict[str, threading.Event] = {}
         self._tasks: dict[str, asyncio.Future[SandboxInfo]] = {}
         self._held: dict[str, int] = {}
@@ -159,10 +158,11 @@ class Pauser:
         with self._lock(sid):  # a freeze in progress gives way within ~1 ms (its stop)
             self.cgroups.thaw(sid)
 
-    def _set(self, info: SandboxInfo, state: str) -> SandboxInfo:
-        info = info.model_copy(update={"state": state})
-        self._put(info)
-        return info
+    def _set(self, info: SandboxInfo, state: SandboxState) -> SandboxInfo:
+        return self.table.set_state(info.id, state)
+
+    def _get(self, sid: str) -> SandboxInfo | None:
+        return self.table.get(sid)
 
     # ------------------------------------------------------------------ pause
     async def pause(self, sandbox_id: str) -> SandboxInfo:
@@ -196,7 +196,7 @@ class Pauser:
         # up to PAUSE_GRACE; new ones stop the pause (wake). Past the grace the sandbox is
         # frozen anyway: a long exec then waits for the resume.
         deadline = time.monotonic() + PAUSE_GRACE
-        while self._busy(sid) and not stop.is_set() and time.monotonic() < deadline:
+        while self.table.busy(sid) and not stop.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         try:
             await loop.run_in_executor(self._pool, self._freeze, sid, stop)

@@ -31,9 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.backends.base import Meters
 from corral.errors import HostError
-from corral.host.btrfs import Scratch
-from corral.host.cgroups import Cgroups
 from corral.host.fdstore import FdStore, end_stale
 from corral.host.seccomp_notify import NotifyListener, SeccompCall
 from corral.node.state import StateStore
@@ -250,15 +249,14 @@ class NodeSecurity:
     def __init__(
         self,
         add_event: Callable[[str | None, str, Detail], int],
-        cgroups: Cgroups,
-        scratch: Scratch,
+        meters: Callable[[str], Meters],
         *,
         listener_path: Path | None,
         helper_dir: Path | None = None,
     ) -> None:
         self._add = add_event
-        self.cgroups = cgroups
-        self.scratch = scratch
+        self._meters = meters
+        """The sandbox's kernel counters (its backend's ``meters``)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
@@ -291,22 +289,9 @@ class NodeSecurity:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self.flush)
 
-    def _pids_refused(self, sandbox_id: str) -> int | None:
-        try:
-            text = self.cgroups.control_file("pids", sandbox_id, "pids.events").read_text()
-        except (OSError, HostError):
-            return None
-        for line in text.splitlines():
-            k, _, v = line.partition(" ")
-            if k == "max":
-                return int(v)
-        return None
-
-    def _counters(self, sandbox_id: str) -> dict[str, int | None]:
-        oom: int | None = None
-        with contextlib.suppress(Exception):
-            oom = self.cgroups.oom_kills(sandbox_id)
-        return {"pids_limit": self._pids_refused(sandbox_id), "oom_kill": oom}
+    def _counters(self, sandbox_id: str, m: Meters | None = None) -> dict[str, int | None]:
+        m = self._meters(sandbox_id) if m is None else m
+        return {"pids_limit": m.pids_refused, "oom_kill": m.oom_kills}
 
     def _keep(self, sandbox_id: str, fd: int) -> None:
         """A new notification fd (listener thread): the holder gets a dup."""
@@ -382,11 +367,11 @@ class NodeSecurity:
         self._check(sandbox_id, disk_limit)
 
     def _check(self, sandbox_id: str, disk_limit: int) -> None:
-        for kind, value in self._counters(sandbox_id).items():
+        m = self._meters(sandbox_id)
+        for kind, value in self._counters(sandbox_id, m).items():
             self.log.check_counter(sandbox_id, kind, value)
-        try:
-            used = self.scratch.usage(sandbox_id)
-        except HostError:
+        used = m.disk_used
+        if used is None:
             return
         # Reported once per filling: again only after the guest freed space.
         if used >= disk_limit * 0.95:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.backends.initclient import ExecStream, InitClient
+from corral.backends.base import Agent
+from corral.backends.initclient import ExecStream
 from corral.errors import SandboxError
 from corral.host.cgroups import Cgroups
 
@@ -143,7 +144,7 @@ class PoolSandbox:
         self,
         sid: str,
         image: str,
-        client: InitClient,
+        client: Agent,
         cgroups: Cgroups,
         init_pid: int,
         scratch_dirs: list[str],

@@ -1,0 +1,320 @@
+"""Running commands in sandboxes: exec, streams, terminals, background processes, shells.
+
+Every command starts inside the sandbox from its agent (corral-init), so every restriction
+of the sandbox is inherited. The node prepares the environment (image env, sandbox env,
+request env), resolves a user name against the sandbox's own /etc/passwd, caps output at
+the sandbox's default unless the request says otherwise, and turns the agent's report into
+an :class:`ExecResult` whose ``reason`` always says how the command ended (an OOM kill is
+told apart from any other SIGKILL by the cgroup's OOM counter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+
+from pydantic import ValidationError
+
+from corral.backends import shell as shellmod
+from corral.backends.base import Agent
+from corral.backends.initclient import InitExit
+from corral.errors import CorralError, InvalidRequest, ProcessNotFound, SandboxError
+from corral.node.lifecycle import Lifecycle
+from corral.node.pty import NodePty
+from corral.ops import DEFAULT_SHELLS
+from corral.node.security import NodeSecurity
+from corral.node.state import StateStore
+from corral.node.table import SandboxTable
+from corral.spec import (
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    ProcessInfo,
+    PtyRequest,
+    SandboxInfo,
+    ShellInfo,
+    validation_message,
+)
+
+__all__ = ["Execs", "DEFAULT_PATH"]
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+_ENDS = ("exited", "signaled", "timeout", "oom", "output_limit")
+
+
+class Execs:
+    """Commands in the sandboxes of one node."""
+
+    def __init__(
+        self,
+        life: Lifecycle,
+        table: SandboxTable,
+        state: StateStore,
+        security: NodeSecurity,
+        id_count: int,
+    ) -> None:
+        self.life = life
+        self.table = table
+        self.state = state
+        self.security = security
+        self.id_count = id_count
+
+    # ------------------------------------------------------------------ helpers
+    def _agent(self, info: SandboxInfo) -> Agent:
+        return self.life.backend_of(info).agent(info.id)
+
+    def _prepare(self, info: SandboxInfo, req: ExecRequest) -> dict[str, object]:
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": info.spec.hostname}
+        env.update(info.image_env)
+        env.update(info.spec.env)
+        env.update(req.env)
+        uid, gid = self._resolve_user(info, req.user)
+        if req.user and uid != 0 and "HOME" not in req.env:
+            env["HOME"] = "/"
+        limit = req.output_limit if req.output_limit is not None else info.spec.limits.output
+        return {
+            "env": env,
+            "cwd": req.cwd or info.spec.workdir,
+            "uid": uid,
+            "gid": gid,
+            "timeout": req.timeout,
+            "output_limit": limit,
+        }
+
+    def _resolve_user(self, info: SandboxInfo, user: str | None) -> tuple[int, int]:
+        if not user:
+            return 0, 0
+        name, _, group = user.partition(":")
+        uid = gid = None
+        if name.isdigit():
+            uid = int(name)
+        else:
+            for line in self._etc(info, "/etc/passwd"):
+                f = line.split(":")
+                if len(f) >= 4 and f[0] == name:
+                    uid, gid = int(f[2]), int(f[3])
+                    break
+            if uid is None:
+                raise InvalidRequest(f"user: no user {name!r} in the sandbox's /etc/passwd")
+        if group:
+            if group.isdigit():
+                gid = int(group)
+            else:
+                for line in self._etc(info, "/etc/group"):
+                    f = line.split(":")
+                    if len(f) >= 3 and f[0] == group:
+                        gid = int(f[2])
+                        break
+                else:
+                    raise InvalidRequest(f"user: no group {group!r} in the sandbox's /etc/group")
+        if gid is None:
+            gid = uid
+        if not (0 <= uid < self.id_count and 0 <= gid < self.id_count):
+            raise InvalidRequest(f"user: ids must be below {self.id_count}")
+        return uid, gid
+
+    def _etc(self, info: SandboxInfo, path: str) -> list[str]:
+        try:
+            files = self.life.backend_of(info).files(info.id)
+            return files.read(path, length=1 << 20).decode(errors="replace").splitlines()
+        except CorralError:
+            return []
+
+    def _oom_kills(self, info: SandboxInfo) -> int:
+        return self.life.backend_of(info).meters(info.id).oom_kills or 0
+
+    def _to_result(self, info: SandboxInfo, r: InitExit, oom_before: int) -> ExecResult:
+        sid = info.id
+        reason = r.reason
+        if (live := self.table.get(sid)) is not None:
+            # Truncated without being stopped for it (output_limit has its own event).
+            cut = reason != "output_limit" and (r.out_trunc or r.err_trunc)
+            self.security.after_exec(sid, live.spec.limits.disk, truncated=cut)
+        if reason == "signaled" and r.signal == 9 and self._oom_kills(info) > oom_before:
+            reason = "oom"
+        if reason not in _ENDS:
+            raise SandboxError(f"sandbox {sid}: init reported unknown end {reason!r}")
+        if reason in ("oom", "output_limit", "timeout"):
+            detail: dict[str, object] = {"duration": round(r.duration, 3)}
+            if reason == "output_limit":
+                detail.update(stdout_bytes=r.out_len, stderr_bytes=r.err_len)
+            self.state.add_event(sid, reason, detail)
+        return ExecResult(
+            exit_code=r.code if reason == "exited" else None,
+            signal=r.signal if reason != "exited" else None,
+            stdout=r.stdout,
+            stderr=r.stderr,
+            stdout_truncated=r.out_trunc,
+            stderr_truncated=r.err_trunc,
+            duration=r.duration,
+            reason=reason,  # type: ignore[arg-type]
+        )
+
+    # ------------------------------------------------------------------ exec
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        info = self.life.active(sandbox_id)
+        p = self._prepare(info, req)
+        before = self._oom_kills(info)
+        with self.table.working(sandbox_id):
+            async with self.life.agent_errors(sandbox_id, "the exec"):
+                r = await self._agent(info).exec(req.cmd, stdin=req.stdin, **p)  # type: ignore[arg-type]
+        return self._to_result(info, r, before)
+
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[ExecChunk | ExecResult]:
+        info = self.life.active(sandbox_id)
+        p = self._prepare(info, req)
+        before = self._oom_kills(info)
+        with self.table.working(sandbox_id):
+            stream = self._agent(info).stream(
+                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, keep_output=False, **p  # type: ignore[arg-type]
+            )
+            async with self.life.agent_errors(sandbox_id, "the exec"), stream as s:
+                if req.stdin is not None:
+                    await s.write(req.stdin)
+                    await s.close_stdin()
+                async for name, data in s:
+                    yield ExecChunk(stream=name, data=data)  # type: ignore[arg-type]
+                result = s.result
+        yield self._to_result(info, result, before)
+
+    async def pty(self, sandbox_id: str, req: PtyRequest) -> NodePty[InitExit]:
+        """An interactive terminal (``corral sandbox shell``). The sandbox counts as busy
+        while it is open, so the idle reaper never takes it from under a user."""
+        info = self.life.active(sandbox_id)
+        cmd = req.cmd or await self._default_shell(info)
+        ereq = ExecRequest(
+            cmd=cmd,
+            env={"TERM": "xterm-256color", **req.env},
+            cwd=req.cwd,
+            user=req.user,
+        )
+        p = self._prepare(info, ereq)
+        p["output_limit"] = 1 << 40
+        before = self._oom_kills(info)
+        stream = self._agent(info).stream(
+            cmd,
+            stdin_pipe=True,
+            tty=True,
+            rows=req.rows,
+            cols=req.cols,
+            keep_output=False,
+            **p,  # type: ignore[arg-type]
+        )
+        return NodePty(
+            stream,
+            self.table.working(sandbox_id),
+            lambda r: self._to_result(info, r, before),
+            cmd=cmd,
+        )
+
+    async def _default_shell(self, info: SandboxInfo) -> list[str]:
+        """The first of DEFAULT_SHELLS whose program the sandbox has."""
+        files = self.life.backend_of(info).files(info.id)
+        for argv in DEFAULT_SHELLS:
+            try:
+                await asyncio.to_thread(files.stat, argv[0])
+                return list(argv)
+            except CorralError:
+                continue
+        raise InvalidRequest(
+            "cmd: the sandbox has none of "
+            + ", ".join(a[0] for a in DEFAULT_SHELLS)
+            + "; name the program to run"
+        )
+
+    async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
+        info = self.life.active(sandbox_id)
+        if req.stdin is not None or req.tty:
+            raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
+        p = self._prepare(info, req)
+        p.pop("timeout")
+        async with self.life.agent_errors(sandbox_id, "spawn"):
+            pid_id, pid = await self._agent(info).spawn(req.cmd, **p)  # type: ignore[arg-type]
+        return ProcessInfo(id=pid_id, pid=pid, cmd=req.cmd, running=True)
+
+    async def process_get(
+        self, sandbox_id: str, process_id: str, wait: float | None = None
+    ) -> ProcessInfo:
+        info = self.life.active(sandbox_id)
+        before = self._oom_kills(info)
+        with self.table.working(sandbox_id):
+            async with self.life.agent_errors(sandbox_id, "the process wait"):
+                p = await self._agent(info).wait(process_id, timeout=wait or 0)
+        result = self._to_result(info, p.exit, before) if p.exit else None
+        return ProcessInfo(
+            id=p.id,
+            pid=p.pid,
+            cmd=p.argv,
+            running=p.running,
+            stdout=p.stdout,
+            stderr=p.stderr,
+            result=result,
+        )
+
+    async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
+        info = self.life.active(sandbox_id)
+        if not 1 <= signal <= 64:
+            raise InvalidRequest(f"signal: {signal} is not a signal number (1-64)")
+        async with self.life.agent_errors(sandbox_id, "process kill"):
+            await self._agent(info).kill(process_id, signal)
+
+    async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
+        info = self.life.active(sandbox_id)
+        async with self.life.agent_errors(sandbox_id, "process list"):
+            procs = await self._agent(info).list()
+        return [ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running) for p in procs]
+
+    # ------------------------------------------------------------------ shells
+    async def shell_open(
+        self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None
+    ) -> ShellInfo:
+        info = self.life.active(sandbox_id)
+        try:
+            req = ExecRequest(cmd=["true"], cwd=cwd, env=env or {})  # validates cwd and env
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        shell_id = "sh-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+        start = req.cwd or info.spec.workdir
+        r = await self.exec(
+            sandbox_id, ExecRequest(cmd=shellmod.init_argv(shell_id, start), timeout=30)
+        )
+        if not r.ok:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: could not start a shell session (needs bash in the "
+                f"image): {r.stderr.decode(errors='replace')[:500]}"
+            )
+        created = self.state.put_shell(shell_id, sandbox_id, start, req.env)
+        return ShellInfo(id=shell_id, cwd=start, created_at=created)
+
+    async def shell_run(
+        self,
+        sandbox_id: str,
+        shell_id: str,
+        command: str,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        row = self.state.get_shell(shell_id)
+        if row is None or row[0] != sandbox_id:
+            raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
+        if "\0" in command:
+            raise InvalidRequest("command: cannot contain NUL bytes")
+        return await self.exec(
+            sandbox_id,
+            ExecRequest(
+                cmd=shellmod.shell_argv(shell_id, command),
+                env=row[2],
+                timeout=timeout,
+                stdin=stdin,
+            ),
+        )
+
+    def shell_forget(self, sandbox_id: str, shell_id: str) -> None:
+        row = self.state.get_shell(shell_id)
+        if row is None or row[0] != sandbox_id:
+            raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
+        self.state.delete_shell(shell_id)
