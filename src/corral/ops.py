@@ -1,20 +1,45 @@
-"""The sandbox-operations interface.
+"""The sandbox-operations interface: per-sandbox operations and fleet operations.
 
-One Protocol that the embedded node, the HTTP client transport and (later) the cluster
-client all implement, so the SDK is written once against it. Methods are async and take
-and return the models of :mod:`corral.spec`; errors are those of :mod:`corral.errors`.
+The embedded node, the HTTP client transport, the FakeNode and (later) the cluster client
+all implement :class:`NodeOps`, so the SDK is written once against it. Methods are async
+and take and return the models of :mod:`corral.spec`; errors are those of
+:mod:`corral.errors`.
+
+The interface is split so that a fleet of nodes can implement it by routing and fan-out:
+
+- :class:`SandboxOps`: everything keyed by a sandbox id (first argument). Ids encode their
+  node (``sb-<local>-<node>``, :func:`corral.spec.parse_sandbox_id`), so a cluster client
+  sends each call straight to the node that owns the sandbox.
+- :class:`FleetOps`: create, list, pause/resume by labels, events, status, images, fncall.
+  A cluster client places creates, and fans the rest out and merges the answers. Events
+  with a ``sandbox_id`` are answered by that sandbox's node alone (routed like SandboxOps);
+  over the fleet they page with an opaque cursor that holds one position per node
+  (:func:`corral.spec.encode_cursor`), so merging pages of many nodes loses nothing.
+
+Terminals (``pty``) follow one stream protocol, :class:`PtyStream`, and end with one exit
+model, :class:`corral.spec.ExecResult`, in every implementation::
+
+    async with await ops.pty(sandbox_id, PtyRequest(cmd=["/bin/sh"])) as s:
+        await s.write(b"echo hi; exit 3\\n")
+        async for data in s:          # bytes of terminal output
+            ...
+    assert s.result is not None and s.result.exit_code == 3
+
+``pty`` is a coroutine (it may resume a paused sandbox and pick the default shell) that
+returns the stream not yet opened; entering it starts the command, leaving it early ends
+the command (the init kills its process group).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from types import TracebackType
 from typing import Protocol
 
+from corral.errors import InvalidRequest
 from corral.spec import (
     CallRequest,
     CallResult,
-    JudgeRequest,
-    JudgeResult,
     Event,
     EventSummary,
     ExecChunk,
@@ -23,31 +48,91 @@ from corral.spec import (
     FileStat,
     ForkRequest,
     ImageInfo,
+    JudgeRequest,
+    JudgeResult,
     LayerInfo,
     NodeStatus,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
+    decode_cursor,
+    encode_cursor,
 )
 
-__all__ = ["NodeOps"]
+__all__ = [
+    "NodeOps",
+    "SandboxOps",
+    "FleetOps",
+    "PtyStream",
+    "EVENTS_LIMIT_MAX",
+    "cursor_positions",
+    "check_events_limit",
+    "stamp_events",
+    "DEFAULT_SHELLS",
+]
+
+EVENTS_LIMIT_MAX = 10000
+"""Most events one ``events`` call returns."""
+
+DEFAULT_SHELLS = (["/bin/bash", "-l"], ["/usr/bin/bash", "-l"], ["/bin/sh"])
+"""A pty without ``cmd`` runs the first of these whose program the sandbox has."""
 
 
-class NodeOps(Protocol):
-    # images (read side; building happens through corral.images on the node's host)
-    async def image_get(self, name: str) -> ImageInfo: ...
-    async def image_list(self) -> list[ImageInfo]: ...
-    async def image_compose(
-        self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
-    ) -> ImageInfo: ...
-    async def image_remove(self, name: str) -> None: ...
-    async def layer_list(self) -> list[LayerInfo]: ...
+class PtyStream(Protocol):
+    """One terminal, as every implementation of ``pty`` returns it (not yet entered).
+
+    Enter it (``async with``) to start the command; iterate it for output bytes until the
+    command ends; then ``result`` holds how it ended (stdout/stderr empty: they were
+    streamed). Writes after the end are dropped silently: the iteration says how it ended.
+    """
+
+    @property
+    def pid(self) -> int:
+        """The command's pid inside the sandbox, once entered (0 where unknown)."""
+        ...
+
+    @property
+    def cmd(self) -> list[str]:
+        """The command started (the default shell when the request had none)."""
+        ...
+
+    @property
+    def result(self) -> ExecResult | None:
+        """How the command ended; None until the iteration has reached the end."""
+        ...
+
+    async def __aenter__(self) -> PtyStream: ...
+    async def __aexit__(
+        self,
+        et: type[BaseException] | None,
+        e: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+    async def write(self, data: bytes) -> None:
+        """Bytes to the terminal's input (keystrokes)."""
+        ...
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the window size (the command gets SIGWINCH)."""
+        ...
+
+    async def close_stdin(self) -> None:
+        """End of input (the EOF character, in canonical mode)."""
+        ...
+
+    async def signal(self, sig: int) -> None:
+        """Send ``sig`` to the command's process group."""
+        ...
+
+
+class SandboxOps(Protocol):
+    """Operations on one sandbox, keyed by its id (routable by the id's node)."""
 
     # lifecycle
-    async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo: ...
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo: ...
-    async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
     async def sandbox_destroy(self, sandbox_id: str) -> None: ...
 
     # pause / resume (state kept; any request to a paused sandbox resumes it)
@@ -55,17 +140,6 @@ class NodeOps(Protocol):
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox; ``prefetch`` also starts reading all its memory back from
         swap (returns once the reads are started)."""
-        ...
-
-    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
-        """Pause every sandbox carrying all of ``labels``; returns those now paused."""
-        ...
-
-    async def sandboxes_resume(
-        self, labels: dict[str, str], prefetch: bool = False
-    ) -> list[SandboxInfo]:
-        """Resume every paused sandbox carrying all of ``labels`` (``prefetch``: as in
-        :meth:`sandbox_resume`); returns those resumed."""
         ...
 
     # network policy
@@ -83,7 +157,8 @@ class NodeOps(Protocol):
         ...
 
     async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
-        """``req.count`` new sandboxes from the sandbox's current files (all or nothing)."""
+        """``req.count`` new sandboxes from the sandbox's current files (all or nothing),
+        on the parent's node."""
         ...
 
     # exec
@@ -93,6 +168,11 @@ class NodeOps(Protocol):
     ) -> AsyncIterator[ExecChunk | ExecResult]:
         """Yields output chunks as they come, then exactly one ExecResult (with empty
         stdout/stderr, since they were streamed) as the last item."""
+        ...
+
+    async def pty(self, sandbox_id: str, req: PtyRequest) -> PtyStream:
+        """An interactive terminal, not yet entered (see :class:`PtyStream`). The sandbox
+        counts as busy while it is open, so the idle reaper never takes it from a user."""
         ...
 
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo: ...
@@ -135,14 +215,48 @@ class NodeOps(Protocol):
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None: ...
     async def file_download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 
+
+class FleetOps(Protocol):
+    """Operations over all sandboxes of a node (or a fleet: placed, or fanned out)."""
+
+    # images (read side; building happens through corral.images on the node's host)
+    async def image_get(self, name: str) -> ImageInfo: ...
+    async def image_list(self) -> list[ImageInfo]: ...
+    async def image_compose(
+        self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
+    ) -> ImageInfo: ...
+    async def image_remove(self, name: str) -> None: ...
+    async def layer_list(self) -> list[LayerInfo]: ...
+
+    # lifecycle
+    async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
+
+    async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
+        """Pause every sandbox carrying all of ``labels``; returns those now paused."""
+        ...
+
+    async def sandboxes_resume(
+        self, labels: dict[str, str], prefetch: bool = False
+    ) -> list[SandboxInfo]:
+        """Resume every paused sandbox carrying all of ``labels`` (``prefetch``: as in
+        ``sandbox_resume``); returns those resumed."""
+        ...
+
     # events and node
     async def events(
         self,
         sandbox_id: str | None = None,
-        since_id: int = 0,
+        after: str | None = None,
         labels: dict[str, str] | None = None,
         kinds: list[str] | None = None,
-    ) -> list[Event]: ...
+        limit: int = 1000,
+    ) -> list[Event]:
+        """Events strictly after the cursor ``after`` (None: from the start), oldest first,
+        at most ``limit`` (1 to 10000). Pass the last event's ``cursor`` to get the next
+        page. A cursor that is not one is :class:`~corral.errors.InvalidRequest`."""
+        ...
+
     async def events_summary(
         self,
         labels: dict[str, str] | None = None,
@@ -155,3 +269,42 @@ class NodeOps(Protocol):
     async def fncall_run(self, req: CallRequest) -> CallResult: ...
     async def fncall_judge(self, req: JudgeRequest) -> JudgeResult: ...
     async def close(self) -> None: ...
+
+
+class NodeOps(SandboxOps, FleetOps, Protocol):
+    """Both surfaces: what the embedded node, the HTTP client and the FakeNode implement."""
+
+
+# --------------------------------------------------------------------------- helpers
+# Shared by the implementations, so a bad cursor or limit reads the same everywhere.
+
+
+def cursor_positions(after: str | None) -> dict[str, int]:
+    """The per-node positions of an ``events`` cursor ({} for None); InvalidRequest naming
+    the ``after`` parameter when it is not a cursor."""
+    if after is None or after == "":
+        return {}
+    try:
+        return decode_cursor(after)
+    except ValueError as exc:
+        raise InvalidRequest(f"after: {exc}") from None
+
+
+def check_events_limit(limit: int) -> int:
+    """``limit`` of an ``events`` call, or InvalidRequest when it is not 1 to 10000."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= EVENTS_LIMIT_MAX:
+        raise InvalidRequest(f"limit: {limit!r} is not a whole number from 1 to {EVENTS_LIMIT_MAX}")
+    return limit
+
+
+def stamp_events(events: Iterable[Event], node_id: str, positions: dict[str, int]) -> list[Event]:
+    """``events`` of node ``node_id`` (its log's order) with ``node_id`` and ``cursor`` set.
+
+    Each cursor keeps the other nodes' positions of the request's cursor, so a cursor that
+    went through one node still holds the whole fleet's place."""
+    out: list[Event] = []
+    pos = dict(positions)
+    for e in events:
+        pos[node_id] = e.id
+        out.append(e.model_copy(update={"node_id": node_id, "cursor": encode_cursor(pos)}))
+    return out

@@ -10,8 +10,12 @@ Example:
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import math
 import re
+import secrets
 import time
 from typing import Annotated, Literal
 
@@ -38,6 +42,14 @@ __all__ = [
     "NodeStatus",
     "parse_bytes",
     "SANDBOX_ID_RE",
+    "NODE_ID_RE",
+    "new_sandbox_id",
+    "parse_sandbox_id",
+    "sandbox_local",
+    "encode_cursor",
+    "decode_cursor",
+    "BackendStatus",
+    "PtyRequest",
     "validation_message",
     "ForkRequest",
     "CallStatus",
@@ -74,7 +86,96 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-SANDBOX_ID_RE = re.compile(r"^sb-[0-9a-z]{12}$")
+SANDBOX_ID_RE = re.compile(r"^sb-(?P<local>[0-9a-z]{12})-(?P<node>[0-9a-z]{1,16})$")
+"""``sb-<local>-<node>``: the id names the node that runs the sandbox, so a cluster client
+routes per-sandbox operations by the id alone. Kernel names (veth, nft key, cgroup,
+subvolume) derive from the local part, which is unique on its host."""
+NODE_ID_RE = re.compile(r"^[0-9a-z]{1,16}$")
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def new_sandbox_id(node_id: str) -> str:
+    """A fresh id for a sandbox of node ``node_id``: ``sb-<12 random of [0-9a-z]>-<node_id>``.
+
+    Example:
+        >>> parse_sandbox_id(new_sandbox_id("a1b2c3"))[1]
+        'a1b2c3'
+    """
+    if not isinstance(node_id, str) or not NODE_ID_RE.match(node_id):
+        raise ValueError(f"node id {str(node_id)[:40]!r} must be 1-16 of [0-9a-z]")
+    local = "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+    return f"sb-{local}-{node_id}"
+
+
+def parse_sandbox_id(sandbox_id: str) -> tuple[str, str]:
+    """``(local, node)`` of a sandbox id; ValueError for anything that is not one."""
+    m = SANDBOX_ID_RE.match(sandbox_id) if isinstance(sandbox_id, str) else None
+    if m is None:
+        shown = (
+            repr(sandbox_id) if len(str(sandbox_id)) <= 80 else repr(str(sandbox_id)[:80]) + "..."
+        )
+        raise ValueError(
+            f"{shown} is not a sandbox id: ids look like sb-<12 of [0-9a-z]>-<node id>"
+        )
+    return m.group("local"), m.group("node")
+
+
+def sandbox_local(sandbox_id: str) -> str:
+    """The local part of a sandbox id (unique per host): what kernel names derive from."""
+    return parse_sandbox_id(sandbox_id)[0]
+
+
+# --------------------------------------------------------------------------- event cursors
+_CURSOR_PREFIX = "c1."
+_CURSOR_MAX_NODES = 4096
+
+
+def encode_cursor(positions: dict[str, int]) -> str:
+    """An opaque events cursor: for each node, the id of the last event already seen.
+
+    Format: ``"c1."`` + unpadded urlsafe base64 of compact JSON ``{node_id: last_id}``.
+    One node's cursor has one entry; a cluster client merges the nodes' positions into one.
+
+    Example:
+        >>> decode_cursor(encode_cursor({"n1": 7}))
+        {'n1': 7}
+    """
+    _check_positions(positions)
+    raw = json.dumps(dict(sorted(positions.items())), separators=(",", ":")).encode()
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> dict[str, int]:
+    """The positions in a cursor made by :func:`encode_cursor`; ValueError on anything else."""
+    if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
+        raise ValueError(
+            f"{str(cursor)[:40]!r} is not an events cursor of this version (they start with "
+            f"{_CURSOR_PREFIX!r}); pass the cursor of the last event you received"
+        )
+    body = cursor[len(_CURSOR_PREFIX) :]
+    if len(body) > 200 * _CURSOR_MAX_NODES:
+        raise ValueError("the events cursor is too long")
+    try:
+        raw = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
+        positions = json.loads(raw)
+    except (binascii.Error, ValueError, RecursionError) as exc:
+        raise ValueError(f"the events cursor {cursor[:40]!r} is damaged: {exc}") from None
+    if not isinstance(positions, dict):
+        raise ValueError(f"the events cursor {cursor[:40]!r} is damaged: not a node map")
+    _check_positions(positions)
+    return positions
+
+
+def _check_positions(positions: dict[str, int]) -> None:
+    if len(positions) > _CURSOR_MAX_NODES:
+        raise ValueError(f"an events cursor holds at most {_CURSOR_MAX_NODES} nodes")
+    for node, last in positions.items():
+        if not isinstance(node, str) or not NODE_ID_RE.match(node):
+            raise ValueError(f"events cursor: node id {str(node)[:40]!r} is not 1-16 of [0-9a-z]")
+        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+            raise ValueError(
+                f"events cursor: position {str(last)[:40]!r} of node {node} is not an event id"
+            )
 
 
 def parse_bytes(value: int | str) -> int:
@@ -183,6 +284,9 @@ class SandboxSpec(_Model):
     tmpfs: dict[str, ByteSize] = Field(default_factory=dict)
     """Private tmpfs mounts (path -> size, mode 1777), charged to the sandbox's memory.
     The file API does not see into them (it works on the overlay)."""
+    backend: str | None = Field(None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    """Isolation engine by the name of one of the node's backends (``container``; later
+    ``microvm``, ``vm``); None: the node's default backend."""
 
     @field_validator("tmpfs")
     @classmethod
@@ -224,6 +328,14 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
+def _check_cmd(v: list[str]) -> list[str]:
+    if any("\0" in a for a in v):
+        raise ValueError("cmd arguments cannot contain NUL bytes")
+    if not v[0]:
+        raise ValueError("cmd[0] cannot be empty")
+    return v
+
+
 def _check_abs_path(v: str, what: str) -> str:
     if not v.startswith("/") or "\0" in v or len(v) > 4096:
         raise ValueError(f"{what} must be an absolute path without NUL bytes")
@@ -258,8 +370,10 @@ class SandboxInfo(_Model):
     created_at: float
     expires_at: float | None = None
     last_active_at: float
-    runtime: str = ""
-    """OCI runtime that runs it (runc or crun)."""
+    backend: str = "container"
+    """The node's backend that runs it (its OCI runtime, if any, is in ``NodeStatus``)."""
+    node_id: str = ""
+    """The node that runs it (also the last part of ``id``)."""
     pid: int | None = None
     """Host pid of the sandbox's init."""
     detail: str = ""
@@ -302,11 +416,7 @@ class ExecRequest(_Model):
     @field_validator("cmd")
     @classmethod
     def _cmd(cls, v: list[str]) -> list[str]:
-        if any("\0" in a for a in v):
-            raise ValueError("cmd arguments cannot contain NUL bytes")
-        if not v[0]:
-            raise ValueError("cmd[0] cannot be empty")
-        return v
+        return _check_cmd(v)
 
     @field_validator("env")
     @classmethod
@@ -343,6 +453,39 @@ class ExecResult(_Model):
 
     def text(self) -> str:
         return self.stdout.decode(errors="replace")
+
+
+class PtyRequest(_Model):
+    """An interactive terminal in a sandbox (``corral sandbox shell``).
+
+    Its output is streamed (a tty merges stdout and stderr) and its end is an
+    :class:`ExecResult` with empty stdout/stderr, as for ``exec_stream``."""
+
+    cmd: list[str] | None = Field(None, min_length=1)
+    """Program and arguments; None: ``bash -l`` where the image has bash, else ``/bin/sh``."""
+    rows: int = Field(24, ge=1, le=65535)
+    """Window height (the kernel's struct winsize holds two u16)."""
+    cols: int = Field(80, ge=1, le=65535)
+    env: dict[str, str] = Field(default_factory=dict)
+    """Added to the sandbox's environment (``TERM`` defaults to ``xterm-256color``)."""
+    cwd: str | None = None
+    user: str | None = None
+    """``uid``, ``uid:gid`` or a user name from the sandbox's /etc/passwd."""
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else _check_cmd(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        return None if v is None else _check_abs_path(v, "cwd")
 
 
 class ExecChunk(_Model):
@@ -410,6 +553,7 @@ class ImageInfo(_Model):
 
 class Event(_Model):
     id: int = 0
+    """Position in its node's event log (per node: compare only with ``node_id`` equal)."""
     sandbox_id: str | None
     time: float
     kind: str
@@ -417,6 +561,10 @@ class Event(_Model):
     ``seccomp`` (the security kinds: ``corral.node.security.SECURITY_KINDS``)."""
     detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     """Coalesced repeats carry ``count`` (and ``first``/``last`` times)."""
+    node_id: str = ""
+    """The node whose log holds it."""
+    cursor: str = ""
+    """Opaque position just after this event: pass it as ``after`` to get what follows."""
 
 
 class EventSummary(_Model):
@@ -431,10 +579,24 @@ class EventSummary(_Model):
     """Kind -> occurrences over all those sandboxes."""
 
 
+class BackendStatus(_Model):
+    """One isolation engine of a node, as ``NodeStatus.backends`` lists it."""
+
+    kind: str
+    """``container`` (later ``microvm``, ``vm``): the name ``SandboxSpec.backend`` takes."""
+    ok: bool = True
+    """Whether it can create sandboxes now."""
+    accel: str | None = None
+    """Hardware acceleration it uses (``kvm`` for VMs); None when not applicable."""
+    detail: dict[str, str] = Field(default_factory=dict)
+    """Backend-specific facts, e.g. ``{"runtime": "crun"}`` for containers, or why not ok."""
+
+
 class NodeStatus(_Model):
+    """What a node is and has room for: a placer picks nodes by these figures."""
+
     node_id: str
     version: str
-    runtime: str
     cgroup_mode: Literal["v1", "v2", "hybrid"]
     sandboxes: int
     running: int
@@ -457,6 +619,20 @@ class NodeStatus(_Model):
     """The kernel's landlock ABI (0: none). From 6 on, guest commands run landlock-scoped
     (no signals to or ptrace of PID 1, no abstract sockets made outside the sandbox)."""
     landlock_detail: str = ""
+    max_sandboxes: int = 0
+    """Most live sandboxes it admits (0: no limit of its own)."""
+    cpus: int = 0
+    """CPUs of the host."""
+    load1: float = 0.0
+    """One-minute load average of the host."""
+    scratch_total: int = 0
+    """Bytes of the node's scratch filesystem (writable layers)."""
+    scratch_free: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+    """The node's labels from its config (e.g. ``pool=onprem``), for placement."""
+    default_backend: str = "container"
+    """The backend a spec without ``backend`` gets."""
+    backends: list[BackendStatus] = Field(default_factory=list)
 
 
 class ForkRequest(_Model):
