@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Protocol
 
-from corral.errors import InvalidRequest
+from corral.errors import InvalidRequest, NotFound, SandboxNotFound
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -71,6 +71,7 @@ __all__ = [
     "check_events_limit",
     "stamp_events",
     "DEFAULT_SHELLS",
+    "default_shell",
 ]
 
 EVENTS_LIMIT_MAX = 10000
@@ -308,3 +309,17 @@ def stamp_events(events: Iterable[Event], node_id: str, positions: dict[str, int
         pos[node_id] = e.id
         out.append(e.model_copy(update={"node_id": node_id, "cursor": encode_cursor(pos)}))
     return out
+
+
+async def default_shell(ops: SandboxOps, sandbox_id: str) -> list[str]:
+    """The command of a pty without one: the first of :data:`DEFAULT_SHELLS` the sandbox
+    has (``bash -l`` where the image has bash, else ``/bin/sh``)."""
+    for candidate in DEFAULT_SHELLS[:-1]:
+        try:
+            await ops.file_stat(sandbox_id, candidate[0])
+        except SandboxNotFound:
+            raise
+        except NotFound:
+            continue
+        return list(candidate)
+    return list(DEFAULT_SHELLS[-1])

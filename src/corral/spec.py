@@ -150,15 +150,15 @@ def decode_cursor(cursor: str) -> dict[str, int]:
     if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
         raise ValueError(
             f"{str(cursor)[:40]!r} is not an events cursor of this version (they start with "
-            f"{_CURSOR_PREFIX!r}); pass the ``cursor`` of the last event you received"
+            f"{_CURSOR_PREFIX!r}); pass the cursor of the last event you received"
         )
     body = cursor[len(_CURSOR_PREFIX) :]
     if len(body) > 200 * _CURSOR_MAX_NODES:
         raise ValueError("the events cursor is too long")
     try:
-        raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        raw = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
         positions = json.loads(raw)
-    except (binascii.Error, ValueError) as exc:
+    except (binascii.Error, ValueError, RecursionError) as exc:
         raise ValueError(f"the events cursor {cursor[:40]!r} is damaged: {exc}") from None
     if not isinstance(positions, dict):
         raise ValueError(f"the events cursor {cursor[:40]!r} is damaged: not a node map")

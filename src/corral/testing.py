@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from corral.errors import (
+    CapacityError,
     Conflict,
     ImageNotFound,
     InvalidRequest,
@@ -44,8 +45,16 @@ from corral.errors import (
     ProcessNotFound,
     SandboxNotFound,
 )
-from corral.ops import NodeOps
+from corral.ops import (
+    NodeOps,
+    check_events_limit,
+    cursor_positions,
+    default_shell,
+    stamp_events,
+)
 from corral.spec import (
+    NODE_ID_RE,
+    BackendStatus,
     CallRequest,
     CallResult,
     JudgeRequest,
@@ -62,16 +71,17 @@ from corral.spec import (
     NetworkPolicy,
     NodeStatus,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
+    new_sandbox_id,
     validation_message,
 )
 
 __all__ = [
     "FakeNode",
     "FakePty",
-    "FakePtyExit",
     "FakeBackend",
     "FakeCgroups",
     "FakeScratch",
@@ -151,9 +161,26 @@ class _Run:
 
 
 class FakeNode(NodeOps):
-    """In-memory stand-in for the node; seeded with images ``demo/base`` and ``demo/python``."""
+    """In-memory stand-in for the node; seeded with images ``demo/base`` and ``demo/python``.
 
-    def __init__(self) -> None:
+    ``node_id`` names it in sandbox ids and event cursors (default: 12 random characters,
+    like a real node's), so several FakeNodes can stand for a fleet. Its one backend is
+    called ``container``, as a real node's default is."""
+
+    BACKENDS = ("container",)
+
+    def __init__(
+        self,
+        node_id: str | None = None,
+        *,
+        max_sandboxes: int = 0,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        if node_id is None:
+            node_id = secrets.token_hex(6)
+        if not NODE_ID_RE.match(node_id):
+            raise ValueError(f"node id {node_id[:40]!r} must be 1-16 of [0-9a-z]")
+        self.node_id = node_id
         now = time.time()
         self._layers = {
             _BASE_LAYER: LayerInfo(digest=_BASE_LAYER, size=1 << 20, kind="dir", created_at=now),
@@ -173,6 +200,10 @@ class FakeNode(NodeOps):
         self.network_permissions: set[str] = {"pkgs", "npm"}
         """Permission names this fake node knows (a real node: its config)."""
         self._next_pid = 100
+        self.max_sandboxes = max_sandboxes
+        """Most live sandboxes (0: no limit), as a node's config says."""
+        self.labels: dict[str, str] = dict(labels or {})
+        """The node's labels, as in its config."""
 
     # ---------------------------------------------------------------- images
     async def image_get(self, name: str) -> ImageInfo:
@@ -233,18 +264,30 @@ class FakeNode(NodeOps):
         return sb.info
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
+        backend = spec.backend or self.BACKENDS[0]
+        if backend not in self.BACKENDS:
+            raise InvalidRequest(
+                f"backend: node {self.node_id} has no backend {backend!r} "
+                f"(it has: {', '.join(self.BACKENDS)})"
+            )
         img = await self.image_get(spec.image)
         self._check_permissions([*spec.network.allow, *spec.network.deny])
+        if self.max_sandboxes and len(self._sandboxes) >= self.max_sandboxes:
+            raise CapacityError(
+                f"node {self.node_id} is full: {len(self._sandboxes)} sandboxes "
+                f"(max_sandboxes {self.max_sandboxes})"
+            )
         now = time.time()
         info = SandboxInfo(
-            id=_new_id("sb-"),
+            id=new_sandbox_id(self.node_id),
             state="running",
             image=spec.image,
             image_digest=img.digest,
             spec=spec,
             created_at=now,
             last_active_at=now,
-            runtime="fake",
+            backend=backend,
+            node_id=self.node_id,
             expires_at=None if spec.ttl is None else now + spec.ttl,
         )
         self._sandboxes[info.id] = _Sandbox(info=info)
@@ -571,38 +614,44 @@ class FakeNode(NodeOps):
         return buf.getvalue()
 
     # -------------------------------------------------------------- terminal
-    def pty(
-        self,
-        sandbox_id: str,
-        cmd: list[str],
-        rows: int,
-        cols: int,
-        env: dict[str, str] | None = None,
-    ) -> FakePty:
-        """A toy terminal with the interface of ``Node.pty`` (see :class:`FakePty`)."""
+    async def pty(self, sandbox_id: str, req: PtyRequest) -> FakePty:
+        """A toy terminal (see :class:`FakePty`); no ``cmd``: the default shell, picked
+        as a node does (``/bin/sh`` unless a test wrote ``/bin/bash``)."""
         sb = self._sb(sandbox_id)
+        cmd = req.cmd or await default_shell(self, sandbox_id)
         self._next_pid += 1
         return FakePty(
-            self, sb, list(cmd), rows, cols, {**sb.info.spec.env, **(env or {})}, self._next_pid
+            self,
+            sb,
+            cmd,
+            req.rows,
+            req.cols,
+            {**sb.info.spec.env, "TERM": "xterm-256color", **req.env},
+            self._next_pid,
         )
 
     # ------------------------------------------------------- events and node
     async def events(
         self,
         sandbox_id: str | None = None,
-        since_id: int = 0,
+        after: str | None = None,
         labels: dict[str, str] | None = None,
         kinds: list[str] | None = None,
+        limit: int = 1000,
     ) -> list[Event]:
+        positions = cursor_positions(after)
+        check_events_limit(limit)
+        since = positions.get(self.node_id, 0)
         ids = None if labels is None else {s.id for s in await self.sandbox_list(labels)}
-        return [
+        found = [
             e
             for e in self._events
-            if e.id > since_id
+            if e.id > since
             and (sandbox_id is None or e.sandbox_id == sandbox_id)
             and (ids is None or e.sandbox_id in ids)
             and (not kinds or e.kind in kinds)
         ]
+        return stamp_events(found[:limit], self.node_id, positions)
 
     async def events_summary(
         self,
@@ -611,7 +660,7 @@ class FakeNode(NodeOps):
         sandbox_id: str | None = None,
     ) -> EventSummary:
         out = EventSummary(labels=dict(labels or {}))
-        for e in await self.events(sandbox_id=sandbox_id, labels=labels, kinds=kinds):
+        for e in self._events_of(sandbox_id, labels, kinds):
             if e.sandbox_id is None:
                 continue
             n = e.detail.get("count")
@@ -620,6 +669,24 @@ class FakeNode(NodeOps):
             per[e.kind] = per.get(e.kind, 0) + n
             out.totals[e.kind] = out.totals.get(e.kind, 0) + n
         return out
+
+    def _events_of(
+        self, sandbox_id: str | None, labels: dict[str, str] | None, kinds: list[str] | None
+    ) -> list[Event]:
+        ids = None
+        if labels is not None:
+            ids = {
+                sid
+                for sid, sb in self._sandboxes.items()
+                if all(sb.info.spec.labels.get(k) == v for k, v in labels.items())
+            }
+        return [
+            e
+            for e in self._events
+            if (sandbox_id is None or e.sandbox_id == sandbox_id)
+            and (ids is None or e.sandbox_id in ids)
+            and (not kinds or e.kind in kinds)
+        ]
 
     def record_event(self, sandbox_id: str | None, kind: str, **detail: str | int) -> None:
         """Add an event as the node would (tests of event consumers: summaries, the CLI)."""
@@ -635,14 +702,14 @@ class FakeNode(NodeOps):
         spec = SandboxSpec(image=req.image or "fake/fncall")
         sb = _Sandbox(
             info=SandboxInfo(
-                id=_new_id("sb-"),
+                id=new_sandbox_id(self.node_id),
                 state="running",
                 image=spec.image,
                 image_digest="",
                 spec=spec,
                 created_at=now,
                 last_active_at=now,
-                runtime="fake",
+                node_id=self.node_id,
             )
         )
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
@@ -688,9 +755,8 @@ class FakeNode(NodeOps):
     async def node_status(self) -> NodeStatus:
         n = len(self._sandboxes)
         return NodeStatus(
-            node_id="fake",
+            node_id=self.node_id,
             version="0",
-            runtime="fake",
             cgroup_mode="v2",
             sandboxes=n,
             running=sum(1 for s in self._sandboxes.values() if s.info.state == "running"),
@@ -700,6 +766,10 @@ class FakeNode(NodeOps):
             mounted_layers=0,
             mem_total=0,
             mem_available=0,
+            max_sandboxes=self.max_sandboxes,
+            default_backend=self.BACKENDS[0],
+            backends=[BackendStatus(kind=k, detail={"runtime": "fake"}) for k in self.BACKENDS],
+            labels=dict(self.labels),
         )
 
     async def close(self) -> None:
@@ -712,7 +782,7 @@ class FakeNode(NodeOps):
         """The sandbox; a request (``wake``) to a paused one resumes it, as a node does."""
         sb = self._sandboxes.get(sandbox_id)
         if sb is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node")
+            raise SandboxNotFound(f"no sandbox {sandbox_id[:80]!r} on node {self.node_id}")
         if wake and sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
             self._event(sandbox_id, "resumed", transparent="true")
@@ -875,20 +945,12 @@ def _path(path: str) -> str:
     return posixpath.normpath("/" + path.lstrip("/"))
 
 
-@dataclass(frozen=True)
-class FakePtyExit:
-    """How a :class:`FakePty` ended (the fields of the init's exit that a terminal uses)."""
-
-    reason: str
-    code: int | None
-    signal: int | None = None
-
-
 class FakePty:
-    """A terminal of FakeNode: echoes input as a tty in canonical mode does, runs each line
-    as a fake ``sh -c`` script, and knows ``tty`` and ``stty size``. A line with ``exit``
-    ends it with that status; EOF on an empty line ends it with the last status; a signal
-    ends it as ``signaled``. ``async with`` it, iterate its output, then read ``result``.
+    """A terminal of FakeNode (a :class:`corral.ops.PtyStream`): echoes input as a tty in
+    canonical mode does, runs each line as a fake ``sh -c`` script, and knows ``tty`` and
+    ``stty size``. A line with ``exit`` ends it with that status; EOF on an empty line ends
+    it with the last status; a signal ends it as ``signaled``; leaving the block early
+    hangs it up (SIGHUP).
     """
 
     def __init__(
@@ -902,31 +964,34 @@ class FakePty:
         pid: int,
     ) -> None:
         self._node, self._sb, self.cmd = node, sb, cmd
-        self.rows, self.cols, self.pid = rows, cols, pid
+        self.rows, self.cols = rows, cols
+        self._pid = pid
+        self.pid = 0
+        """The command's pid, once entered."""
         self._run = _Run(sb, env, sb.info.spec.workdir, None, None, self._emit)
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._line = bytearray()
         self._code = 0
-        self._result: FakePtyExit | None = None
+        self._started = 0.0
+        self._result: ExecResult | None = None
 
     async def __aenter__(self) -> FakePty:
+        self.pid, self._started = self._pid, time.monotonic()
         self._out.put_nowait(b"$ ")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._end(FakePtyExit("signaled", None, 1))  # leaving early hangs up the terminal
+        self._end(None, 1)  # leaving early hangs up the terminal
 
-    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
         return self._frames()
 
-    async def _frames(self) -> AsyncIterator[tuple[str, bytes]]:
+    async def _frames(self) -> AsyncIterator[bytes]:
         while (data := await self._out.get()) is not None:
-            yield "stdout", data
+            yield data
 
     @property
-    def result(self) -> FakePtyExit:
-        if self._result is None:
-            raise Conflict("the fake terminal has not ended yet: iterate it to its end")
+    def result(self) -> ExecResult | None:
         return self._result
 
     async def write(self, data: bytes) -> None:
@@ -947,10 +1012,10 @@ class FakePty:
             line, self._line = self._line.decode(errors="replace"), bytearray()
             await self._execute(line)
         else:
-            self._end(FakePtyExit("exited", self._code))
+            self._end(self._code, None)
 
     async def signal(self, sig: int) -> None:
-        self._end(FakePtyExit("signaled", None, sig))
+        self._end(None, sig)
 
     async def resize(self, rows: int, cols: int) -> None:
         self.rows, self.cols = rows, cols
@@ -966,7 +1031,7 @@ class FakePty:
         elif words:
             self._code = await self._node._script(self._run, line)
             if re.search(r"(^|[;&|]\s*)exit\b", line):
-                self._end(FakePtyExit("exited", self._code))
+                self._end(self._code, None)
                 return
         self._emit("stdout", b"$ ")
 
@@ -974,7 +1039,12 @@ class FakePty:
         if self._result is None and data:
             self._out.put_nowait(data.replace(b"\n", b"\r\n"))
 
-    def _end(self, result: FakePtyExit) -> None:
+    def _end(self, code: int | None, sig: int | None) -> None:
         if self._result is None:
-            self._result = result
+            self._result = ExecResult(
+                exit_code=code,
+                signal=sig,
+                reason="exited" if sig is None else "signaled",
+                duration=time.monotonic() - self._started if self._started else 0.0,
+            )
             self._out.put_nowait(None)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from corral.backends.base import Backend, CopyPurpose, Freezer, HostContext, Meters, Started
 from corral.backends.files import SandboxFS
-from corral.backends.initclient import InitExit, InitProc
+from corral.backends.initclient import ExecStream, InitExit, InitProc
 from corral.errors import HostError, ProcessNotFound, SandboxError
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
@@ -221,8 +221,26 @@ class FakeAgent:
             return r
         return _exit(p.returncode, out, err, output_limit, time.monotonic() - t0)
 
-    def stream(self, argv: Iterable[str], **kw: object) -> _FakeStream:
-        return _FakeStream(self, list(argv), kw)
+    def stream(
+        self,
+        argv: Iterable[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        groups: Iterable[int] = (),
+        timeout: float | None = None,
+        output_limit: int = 1 << 20,
+        stdin: bytes | None = None,
+        stdin_pipe: bool = False,
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        keep_output: bool = True,
+    ) -> ExecStream:
+        s = _FakeStream(self, list(argv), dict(env), stdin_pipe=stdin_pipe, tty=tty)
+        return s  # type: ignore[return-value]  # the same interface, duck-typed
 
     async def spawn(
         self,
@@ -305,26 +323,28 @@ def _exit(
 class _FakeStream:
     """The agent's stream: output chunks as the process writes them, then ``result``."""
 
-    def __init__(self, agent: FakeAgent, argv: list[str], kw: dict[str, object]) -> None:
-        self._agent, self._argv, self._kw = agent, argv, kw
+    def __init__(
+        self, agent: FakeAgent, argv: list[str], env: dict[str, str], *, stdin_pipe: bool, tty: bool
+    ) -> None:
+        self._agent, self._argv, self._env = agent, argv, env
+        self._stdin_pipe, self._tty = stdin_pipe, tty
         self._p: asyncio.subprocess.Process | None = None
         self._result: InitExit | None = None
         self.pid = 0
 
     async def __aenter__(self) -> _FakeStream:
         self._agent._check()
-        env = dict(self._kw.get("env") or {})  # type: ignore[call-overload]
         self._p = await asyncio.create_subprocess_exec(
             *self._argv,
             cwd=self._agent.root,
-            env={**env, "HOME": str(self._agent.root)},
+            env={**self._env, "HOME": str(self._agent.root)},
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT if self._kw.get("tty") else asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT if self._tty else asyncio.subprocess.PIPE,
             start_new_session=True,
         )
         self.pid = self._p.pid
-        if not self._kw.get("stdin_pipe") and self._p.stdin is not None:
+        if not self._stdin_pipe and self._p.stdin is not None:
             self._p.stdin.close()
         return self
 
@@ -488,9 +508,11 @@ class FakeBackend:
         return SandboxFS(self.root(sandbox_id), uid=uid, gid=os.getgid())
 
     def meters(self, sandbox_id: str) -> Meters:
-        resident, swapped = self.cgroups.memory_usage(sandbox_id) if self.cgroups.exists(
-            sandbox_id
-        ) else (None, None)
+        resident, swapped = (
+            self.cgroups.memory_usage(sandbox_id)
+            if self.cgroups.exists(sandbox_id)
+            else (None, None)
+        )
         return Meters(
             oom_kills=self.cgroups.oom_kills(sandbox_id),
             pids_refused=0,

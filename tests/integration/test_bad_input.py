@@ -476,7 +476,9 @@ async def test_missing_or_bad_query(world: World):
     )
     await world.bad("POST", u + "/files/mkdir", 422, "mode", params={"path": "/tmp/m", "mode": -1})
     await world.bad("GET", "/v1/sandboxes", 400, "label", params={"label": "novalue"})
-    await world.bad("GET", "/v1/events", 422, "since_id", params={"since_id": -1})
+    await world.bad("GET", "/v1/events", 400, "after", params={"after": "12"})
+    await world.bad("GET", "/v1/events", 400, "limit", params={"limit": 0})
+    await world.bad("GET", u + "/events", 400, "after", params={"after": "c1.garbage!"})
     await world.bad("GET", u + "/files", 404, "/no/such", params={"path": "/no/such"})
     await world.bad("GET", u + "/files", 400, "/etc", params={"path": "/etc"})
 

@@ -15,7 +15,7 @@ from corral.errors import SandboxNotFound, Unauthorized
 from corral.host import leaks
 from corral.node import Node
 from corral.sdk._http import HTTPOps
-from corral.spec import ExecRequest, Limits, SandboxSpec
+from corral.spec import ExecRequest, Limits, PtyRequest, SandboxSpec
 from tests.integration.conftest import open_node
 from tests.unit.test_pty_ws import run_cli_in_pty
 from tests.conftest import TAG
@@ -40,35 +40,37 @@ async def served(images_ready: None, tmp_path: Path) -> AsyncIterator[tuple[Node
     assert leaks.total(found) == 0, found
 
 
-async def _until(it: AsyncIterator[tuple[str, bytes]], got: bytearray, want: bytes) -> None:
+SH = PtyRequest(cmd=["/bin/sh"])
+
+
+async def _until(it: AsyncIterator[bytes], got: bytearray, want: bytes) -> None:
     """Read terminal output into ``got`` until ``want`` shows (10 s at most)."""
     async with asyncio.timeout(10):
         while want not in got:
-            _, data = await anext(it)
-            got += data
+            got += await anext(it)
 
 
 async def _rest(s: Any) -> bytes:
     out = bytearray()
     async with asyncio.timeout(30):
-        async for _, data in s:
+        async for data in s:
             out += data
     return bytes(out)
 
 
 async def test_tty_output_and_exit_code(served: tuple[Node, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, None, 24, 80) as s:
+    async with await ops.pty(sid, PtyRequest()) as s:
         assert s.cmd[0].endswith("/bash") and s.pid > 0  # the node's default: bash -l
         await s.write(b"tty; echo $((6*7)); exit 3\n")
         out = await _rest(s)
     assert b"/dev/pts/" in out and b"\r\n42\r\n" in out, out
-    assert (s.result.reason, s.result.code) == ("exited", 3)
+    assert s.result is not None and (s.result.reason, s.result.exit_code) == ("exited", 3)
 
 
 async def test_resize_is_seen_by_stty(served: tuple[Node, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         it, got = aiter(s), bytearray()
         await s.write(b"stty size\n")
         await _until(it, got, b"24 80\r\n")
@@ -79,28 +81,29 @@ async def test_resize_is_seen_by_stty(served: tuple[Node, HTTPOps, str]) -> None
         async with asyncio.timeout(10):
             async for _ in it:
                 pass
-    assert (s.result.reason, s.result.code) == ("exited", 0)
+    assert s.result is not None and (s.result.reason, s.result.exit_code) == ("exited", 0)
 
 
 async def test_signal_and_unknown_sandbox(served: tuple[Node, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh", "-c", "echo ready; exec sleep 100"], 24, 80) as s:
+    sleeper = PtyRequest(cmd=["/bin/sh", "-c", "echo ready; exec sleep 100"])
+    async with await ops.pty(sid, sleeper) as s:
         it, got = aiter(s), bytearray()
         await _until(it, got, b"ready")
         await s.signal(9)
         async with asyncio.timeout(10):
             async for _ in it:
                 pass
-    assert (s.result.reason, s.result.signal) == ("signaled", 9)
+    assert s.result is not None and (s.result.reason, s.result.signal) == ("signaled", 9)
 
     with pytest.raises(SandboxNotFound, match="sb-nosuchsandbox"):
-        async with ops.pty("sb-nosuchsandbox", ["/bin/sh"], 24, 80):
+        async with await ops.pty("sb-nosuchsandbox", SH):
             pass
 
 
 async def test_hang_up_ends_the_command(served: tuple[Node, HTTPOps, str]) -> None:
     node, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         it, got = aiter(s), bytearray()
         await s.write(b"echo started; exec sleep 4242\n")
         await _until(it, got, b"started\r\n")
@@ -120,12 +123,12 @@ async def test_wrong_token_is_refused_over_tcp(served: tuple[Node, HTTPOps, str]
         bad, good = HTTPOps(srv.address, token="wrong"), HTTPOps(srv.address, token="right")
         try:
             with pytest.raises(Unauthorized):
-                async with bad.pty(sid, ["/bin/sh"], 24, 80):
+                async with await bad.pty(sid, SH):
                     pass
-            async with good.pty(sid, ["/bin/sh"], 24, 80) as s:
+            async with await good.pty(sid, SH) as s:
                 await s.write(b"exit 5\n")
                 await _rest(s)
-            assert s.result.code == 5
+            assert s.result is not None and s.result.exit_code == 5
         finally:
             await bad.close()
             await good.close()

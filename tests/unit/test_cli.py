@@ -17,7 +17,6 @@ import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import typer
@@ -30,12 +29,13 @@ from corral.cli import node as node_cmd
 from corral.cli._context import EMBEDDED, resolve_target
 from corral.node import NodeConfig
 from corral.sdk import AsyncClient
+from corral.spec import ExecResult
 from corral.testing import FakeNode
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNode:
-    node = FakeNode()
+    node = FakeNode(node_id="fake")
     monkeypatch.setattr(cli_app, "_client_factory", lambda g: AsyncClient(ops=node))
     return node
 
@@ -149,8 +149,12 @@ def test_ls_info_events(fake: FakeNode) -> None:
     r = cli("sandbox", "events", a)
     assert r.exit_code == 0 and "created" in r.stdout
     r = cli("sandbox", "events", "--json")
-    kinds = [json.loads(line)["kind"] for line in r.stdout.splitlines()]
-    assert kinds == ["created", "created"]
+    evs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [e["kind"] for e in evs] == ["created", "created"]
+    # --after: only what follows an event's cursor
+    r = cli("sandbox", "events", "--json", "--after", evs[0]["cursor"])
+    assert [json.loads(line)["sandbox_id"] for line in r.stdout.splitlines()] == [b]
+    assert_user_error(cli("sandbox", "events", "--after", "12"), "after")
     assert_user_error(cli("sandbox", "info", "sb-000000000000"), "sb-000000000000")
     # --follow ends once the sandbox is gone
     assert cli("sandbox", "rm", b).exit_code == 0
@@ -225,6 +229,7 @@ def test_node_status_and_bad_global_options(fake: FakeNode) -> None:
     assert r.exit_code == 0 and json.loads(r.stdout)["node_id"] == "fake"
     r = cli("node", "status")
     assert r.exit_code == 0 and "fake" in r.stdout
+    assert "backend container" in r.stdout and "runtime=fake" in r.stdout
     assert_user_error(cli("--node", "ftp://x", "node", "status"), "--node")
 
 
@@ -359,8 +364,7 @@ def test_unreachable_node_is_a_clean_error(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------- node serve
 async def test_serve_until_sigterm_then_close(tmp_path: Path) -> None:
-    node = FakeNode()
-    node.node_id = "fake-1"  # type: ignore[attr-defined]
+    node = FakeNode(node_id="fake1")
     closed: list[bool] = []
     orig_close = node.close
 
@@ -389,7 +393,7 @@ async def test_serve_until_sigterm_then_close(tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.01)
     async with AsyncClient(f"unix://{sock}") as client:
-        assert (await client.node_status()).node_id == "fake"
+        assert (await client.node_status()).node_id == "fake1"
     assert not closed
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(task, 20)
@@ -509,7 +513,8 @@ class _EchoPty:
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.resizes: list[tuple[int, int]] = []
-        self.result: object = None
+        self.result: ExecResult | None = None
+        self.pid, self.cmd = 1, ["echo"]
 
     async def __aenter__(self) -> _EchoPty:
         return self
@@ -522,10 +527,10 @@ class _EchoPty:
 
     async def _out(self):  # type: ignore[no-untyped-def]
         while (data := await self.inbox.get()) is not None:
-            yield "stdout", data.upper()
+            yield data.upper()
             if b"\x04" in data:
                 break
-        self.result = SimpleNamespace(code=7, signal=None)
+        self.result = ExecResult(exit_code=7, reason="exited")
 
     async def write(self, data: bytes) -> None:
         await self.inbox.put(data)
@@ -534,6 +539,9 @@ class _EchoPty:
         self.resizes.append((rows, cols))
 
     async def close_stdin(self) -> None:
+        await self.inbox.put(None)
+
+    async def signal(self, sig: int) -> None:
         await self.inbox.put(None)
 
 
@@ -586,6 +594,6 @@ async def test_pty_attach_raw_mode_resize_restore() -> None:
 
 
 def test_pty_exit_status() -> None:
-    assert _pty.exit_status(SimpleNamespace(code=0, signal=None)) == 0
-    assert _pty.exit_status(SimpleNamespace(code=None, signal=9)) == 137
+    assert _pty.exit_status(ExecResult(exit_code=0, reason="exited")) == 0
+    assert _pty.exit_status(ExecResult(exit_code=None, signal=9, reason="signaled")) == 137
     assert _pty.exit_status(None) == 1

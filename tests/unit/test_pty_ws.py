@@ -17,9 +17,9 @@ from websockets.asyncio.client import connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from corral.api.server import NodeServer
-from corral.errors import InvalidRequest, SandboxNotFound, Unauthorized
+from corral.errors import SandboxNotFound, Unauthorized
 from corral.sdk._http import HTTPOps
-from corral.spec import SandboxSpec
+from corral.spec import PtyRequest, SandboxSpec
 from corral.testing import FakeNode
 
 
@@ -35,6 +35,9 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[FakeNode, HTTPOps, str]]
             await ops.close()
 
 
+SH = PtyRequest(cmd=["/bin/sh"])
+
+
 async def _drain(ws: Any) -> list[bytes | str]:
     """Every message until the close, whatever its code."""
     msgs: list[bytes | str] = []
@@ -48,55 +51,55 @@ async def _session(s: Any, *lines: bytes) -> bytes:
     out = bytearray()
     for line in lines:
         await s.write(line)
-    async for name, data in s:
-        assert name == "stdout"
+    async for data in s:
+        assert isinstance(data, bytes)
         out += data
     return bytes(out)
 
 
 async def test_run_and_exit_code(served: tuple[FakeNode, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, None, 24, 80, env={"WHO": "corral"}) as s:
+    async with await ops.pty(sid, PtyRequest(env={"WHO": "corral"})) as s:
         assert s.cmd == ["/bin/sh"]  # the fake has no bash: the node's default falls back
         assert s.pid > 0
         out = await _session(s, b"tty\r", b"echo hi $WHO\r", b"exit 3\r")
     assert b"/dev/pts/" in out and b"hi corral\r\n" in out
-    assert (s.result.reason, s.result.code) == ("exited", 3)
+    assert s.result is not None and (s.result.reason, s.result.exit_code) == ("exited", 3)
 
 
 async def test_resize_signal_eof(served: tuple[FakeNode, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         await s.resize(50, 132)
         await s.write(b"stty size\r")
         await s.write(b"false\r")
         await s.close_stdin()  # EOF on an empty line: the shell ends with the last status
         out = await _session(s)
     assert b"50 132" in out
-    assert (s.result.reason, s.result.code) == ("exited", 1)
+    assert s.result is not None and (s.result.reason, s.result.exit_code) == ("exited", 1)
 
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         await s.signal(2)
         await _session(s)
-    assert (s.result.reason, s.result.signal) == ("signaled", 2)
+    assert s.result is not None and (s.result.reason, s.result.signal) == ("signaled", 2)
 
 
 async def test_eof_ends_the_shell(served: tuple[FakeNode, HTTPOps, str]) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         await s.write(b"false\r")
         await s.close_stdin()
         await _session(s)
-    assert s.result.code == 1
+    assert s.result is not None and s.result.exit_code == 1
 
 
 async def test_unknown_sandbox_names_it(served: tuple[FakeNode, HTTPOps, str]) -> None:
     _, ops, _ = served
     with pytest.raises(SandboxNotFound, match="sb-nosuchthing"):
-        async with ops.pty("sb-nosuchthing", ["/bin/sh"], 24, 80):
+        async with await ops.pty("sb-nosuchthing", SH):
             pass
     with pytest.raises(SandboxNotFound, match="sb-nosuchthing"):  # default shell lookup too
-        async with ops.pty("sb-nosuchthing", None, 24, 80):
+        async with await ops.pty("sb-nosuchthing", PtyRequest()):
             pass
 
 
@@ -112,7 +115,8 @@ async def test_raw_protocol_close_codes(served: tuple[FakeNode, HTTPOps, str]) -
         frames = [m async for m in ws]
         assert ws.close_code == 1000
     assert b"30 90" in b"".join(m for m in frames if isinstance(m, bytes))
-    assert json.loads(frames[-1]) == {"exit": {"reason": "exited", "code": 0, "signal": None}}
+    exit_ = json.loads(frames[-1])["exit"]
+    assert (exit_["reason"], exit_["exit_code"], exit_["signal"]) == ("exited", 0, None)
 
     async with unix_connect(path, uri="ws://corral/v1/sandboxes/sb-gone/pty") as ws:
         err = json.loads(await ws.recv())
@@ -144,11 +148,11 @@ async def test_client_leaving_early_keeps_the_server(
     served: tuple[FakeNode, HTTPOps, str],
 ) -> None:
     _, ops, sid = served
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         await s.write(b"echo bye\r")
-    async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sid, SH) as s:
         out = await _session(s, b"exit 0\r")
-    assert s.result.code == 0 and b"$ " in out
+    assert s.result is not None and s.result.exit_code == 0 and b"$ " in out
 
 
 async def test_wrong_token_is_refused_before_the_handshake() -> None:
@@ -159,44 +163,19 @@ async def test_wrong_token_is_refused_before_the_handshake() -> None:
         good = HTTPOps(srv.address, token="right")
         try:
             with pytest.raises(Unauthorized, match="bearer token"):
-                async with bad.pty(sid, ["/bin/sh"], 24, 80):
+                async with await bad.pty(sid, SH):
                     pass
             uri = srv.address.replace("http", "ws", 1) + f"/v1/sandboxes/{sid}/pty"
             with pytest.raises(InvalidStatus) as info:
                 async with connect(uri):
                     pass
             assert info.value.response.status_code == 401
-            async with good.pty(sid, ["/bin/sh"], 24, 80) as s:
+            async with await good.pty(sid, SH) as s:
                 await _session(s, b"exit 4\r")
-            assert s.result.code == 4
+            assert s.result is not None and s.result.exit_code == 4
         finally:
             await bad.close()
             await good.close()
-
-
-class _NoPty:
-    """A NodeOps without ``pty`` (as a future cluster client might be)."""
-
-    def __init__(self, inner: FakeNode) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "pty":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
-async def test_node_without_pty_says_so(tmp_path: Path) -> None:
-    node = FakeNode()
-    sid = (await node.sandbox_create(SandboxSpec(image="demo/base"))).id
-    async with NodeServer(_NoPty(node), uds=tmp_path / "api.sock") as srv:  # type: ignore[arg-type]
-        ops = HTTPOps(srv.address)
-        try:
-            with pytest.raises(InvalidRequest, match="serves no terminals"):
-                async with ops.pty(sid, ["/bin/sh"], 24, 80):
-                    pass
-        finally:
-            await ops.close()
 
 
 # ------------------------------------------------------------ the CLI on a real pty

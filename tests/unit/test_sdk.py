@@ -18,6 +18,7 @@ import corral
 from corral.api import NodeServer, create_app
 from corral.sdk._http import HTTPOps
 from corral.sdk._sync import _Portal
+from corral.spec import decode_cursor, encode_cursor, parse_sandbox_id
 from corral.testing import FakeNode
 
 TRANSPORTS = ["direct", "asgi", "uds"]
@@ -219,12 +220,57 @@ async def test_lifecycle_list_events_node(client: corral.AsyncClient) -> None:
     kinds = [(e.sandbox_id, e.kind) for e in await client.events()]
     assert kinds == [(a.id, "created"), (b.id, "created"), (b.id, "destroyed")]
     assert [e.kind for e in await b.events()] == ["created", "destroyed"]
-    last = (await client.events())[-1].id
-    assert await client.events(since_id=last) == []
+    last = (await client.events())[-1].cursor
+    assert await client.events(after=last) == []
     assert [e.sandbox_id for e in await client.events(labels={"job": "a"})] == [a.id]
     assert [e.kind for e in await client.events(sandbox_id=a.id)] == ["created"]
     status = await client.node_status()
     assert isinstance(status, corral.NodeStatus) and status.sandboxes == 1
+    assert status.default_backend == "container"
+    assert [b.kind for b in status.backends] == ["container"]
+
+
+async def test_ids_name_their_node_and_backend(client: corral.AsyncClient) -> None:
+    sb = await _sandbox(client)
+    node = (await client.node_status()).node_id
+    assert parse_sandbox_id(sb.id)[1] == node == sb.info.node_id
+    assert sb.info.backend == "container"
+    same = await client.sandboxes.create(image="demo/base", backend="container")
+    assert same.info.backend == "container"
+    with pytest.raises(corral.InvalidRequest, match="backend"):
+        await client.sandboxes.create(image="demo/base", backend="microvm")
+    with pytest.raises(corral.InvalidRequest, match="backend"):
+        await client.sandboxes.create(image="demo/base", backend="Not A Name")
+
+
+async def test_events_page_with_a_cursor(client: corral.AsyncClient) -> None:
+    sbs = [await _sandbox(client, labels={"job": "p"}) for _ in range(5)]
+    everything = await client.events()
+    assert [e.sandbox_id for e in everything] == [s.id for s in sbs]
+    node = (await client.node_status()).node_id
+    assert {e.node_id for e in everything} == {node}
+    seen, cursor = [], None
+    while page := await client.events(after=cursor, limit=2):
+        assert len(page) <= 2
+        seen += page
+        cursor = page[-1].cursor
+    assert seen == everything
+    # a cursor is opaque and holds one position per node; other nodes' positions pass through
+    pos = decode_cursor(everything[1].cursor)
+    assert pos == {node: everything[1].id}
+    merged = encode_cursor({**pos, "othernode": 42})
+    rest = await client.events(after=merged)
+    assert [e.id for e in rest] == [e.id for e in everything[2:]]
+    assert decode_cursor(rest[-1].cursor) == {node: everything[-1].id, "othernode": 42}
+    # the per-sandbox route pages the same way
+    one = await sbs[0].events(after=everything[0].cursor)
+    assert one == []
+    for bad in ("12", "c1.not-json", "c2.e30", encode_cursor({})[:-1] + "!"):
+        with pytest.raises(corral.InvalidRequest, match="after"):
+            await client.events(after=bad)
+    for limit in (0, 10001):
+        with pytest.raises(corral.InvalidRequest, match="limit"):
+            await client.events(limit=limit)
 
 
 async def test_images(client: corral.AsyncClient) -> None:

@@ -1,19 +1,20 @@
 """The terminal route of the API: ``/v1/sandboxes/{id}/pty`` over a websocket.
 
-Query: ``rows``, ``cols`` (default 24x80), ``cmd`` (repeat for arguments; default
-``bash -l`` when the sandbox has bash, else ``/bin/sh``), ``env`` (``K=V``, repeatable).
+Query: the fields of :class:`corral.spec.PtyRequest`: ``rows``, ``cols`` (default 24x80),
+``cmd`` (repeat for arguments; default ``bash -l`` when the sandbox has bash, else
+``/bin/sh``), ``env`` (``K=V``, repeatable), ``cwd``, ``user``.
 
 Frames, client → server: binary = bytes for the terminal's input; text = one JSON control
 message, ``{"resize": [rows, cols]}``, ``{"signal": N}`` or ``{"eof": true}``.
 
 Frames, server → client: first a text ``{"started": {"pid": N, "cmd": [...]}}``; then
-binary = terminal output; at the end a text ``{"exit": {"reason", "code", "signal"}}``
-and a normal close (1000). When the terminal cannot be opened or a control message is
+binary = terminal output; at the end a text ``{"exit": <ExecResult>}`` (the JSON of
+:class:`corral.spec.ExecResult`, stdout/stderr empty) and a normal close (1000). When the terminal cannot be opened or a control message is
 wrong, a text ``{"error": {"kind", "message"}}`` is sent and the socket closes with code
 4000 + the error's HTTP status (4404: no such sandbox, 4409: not running, 4400: bad
 request). A client that goes away ends the command: the init kills its process group.
 
-Only a ``NodeOps`` with a ``pty`` method (the embedded ``Node``) serves terminals.
+The route only parses: the terminal itself is ``ops.pty`` (a :class:`corral.ops.PtyStream`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
 
 from fastapi import APIRouter, WebSocket
+from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from corral.errors import CorralError, InvalidRequest, NotFound, SandboxNotFound
-from corral.ops import NodeOps
+from corral.errors import CorralError, InvalidRequest
+from corral.ops import NodeOps, PtyStream
+from corral.spec import ExecResult, PtyRequest, validation_message
 
 __all__ = ["pty_router", "close_code"]
 
@@ -37,7 +39,6 @@ log = logging.getLogger("corral.api")
 _MAX_SIZE = 65535  # a window size is two u16 in the kernel (struct winsize)
 # A close reason is at most 123 bytes (RFC 6455 5.5: control frame payload 125 - code).
 _REASON_MAX = 123
-_SHELLS = ("/bin/bash", "/usr/bin/bash")
 
 
 def close_code(err: CorralError) -> int:
@@ -64,31 +65,34 @@ def pty_router(ops: NodeOps) -> APIRouter:
 
 
 async def _serve(ws: WebSocket, ops: NodeOps, sandbox_id: str) -> None:
-    opener = getattr(ops, "pty", None)
-    if opener is None:
-        raise InvalidRequest(
-            f"this node's API ({type(ops).__name__}) serves no terminals: only a node that "
-            "runs its sandboxes itself (the embedded Node) opens a pty"
-        )
-    q = ws.query_params
-    rows = _dimension(q.get("rows", "24"), "rows")
-    cols = _dimension(q.get("cols", "80"), "cols")
-    env = _env(q.getlist("env"))
-    cmd = q.getlist("cmd") or await _default_shell(ops, sandbox_id)
-    stream = opener(sandbox_id, cmd, rows, cols, env=env)
-    async with stream as s:
-        await ws.send_text(json.dumps({"started": {"pid": getattr(s, "pid", 0), "cmd": cmd}}))
+    req = _request(ws)
+    async with await ops.pty(sandbox_id, req) as s:
+        await ws.send_text(json.dumps({"started": {"pid": s.pid, "cmd": s.cmd}}))
         result = await _pump(ws, s)
     if result is None:
         return  # the client went away; leaving the block above ended the command
-    code = getattr(result, "code", getattr(result, "exit_code", None))
-    exit_ = {"reason": result.reason, "code": code, "signal": getattr(result, "signal", None)}
     with contextlib.suppress(WebSocketDisconnect, OSError, RuntimeError):
-        await ws.send_text(json.dumps({"exit": exit_}))
+        await ws.send_text('{"exit":' + result.model_dump_json() + "}")
         await ws.close(1000)
 
 
-async def _pump(ws: WebSocket, s: Any) -> Any:
+def _request(ws: WebSocket) -> PtyRequest:
+    q = ws.query_params
+    fields: dict[str, object] = {
+        "rows": _dimension(q.get("rows", "24"), "rows"),
+        "cols": _dimension(q.get("cols", "80"), "cols"),
+        "env": _env(q.getlist("env")),
+        "cmd": q.getlist("cmd") or None,
+        "cwd": q.get("cwd"),
+        "user": q.get("user"),
+    }
+    try:
+        return PtyRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidRequest(validation_message(exc)) from None
+
+
+async def _pump(ws: WebSocket, s: PtyStream) -> ExecResult | None:
     """Copy both ways until the command ends (its result) or the client leaves (None)."""
     inbound = asyncio.create_task(_inbound(ws, s))
     outbound = asyncio.create_task(_outbound(ws, s))
@@ -104,6 +108,8 @@ async def _pump(ws: WebSocket, s: Any) -> Any:
         if (exc := outbound.exception()) is not None:
             raise exc
         if outbound.result():
+            if s.result is None:
+                raise CorralError(f"the terminal's output ended without an exit ({type(s)})")
             return s.result
         return None
     # inbound ended first: a bad control message (raise it) or the client left
@@ -112,7 +118,7 @@ async def _pump(ws: WebSocket, s: Any) -> Any:
     return None
 
 
-async def _inbound(ws: WebSocket, s: Any) -> None:
+async def _inbound(ws: WebSocket, s: PtyStream) -> None:
     while True:
         msg = await ws.receive()
         if msg["type"] == "websocket.disconnect":
@@ -123,9 +129,9 @@ async def _inbound(ws: WebSocket, s: Any) -> None:
             await _control(s, text)
 
 
-async def _outbound(ws: WebSocket, s: Any) -> bool:
+async def _outbound(ws: WebSocket, s: PtyStream) -> bool:
     """Terminal output to the client; False when the client is gone before the end."""
-    async for _stream, data in s:
+    async for data in s:
         try:
             await ws.send_bytes(data)
         except (WebSocketDisconnect, OSError, RuntimeError):
@@ -133,7 +139,7 @@ async def _outbound(ws: WebSocket, s: Any) -> bool:
     return True
 
 
-async def _control(s: Any, text: str) -> None:
+async def _control(s: PtyStream, text: str) -> None:
     try:
         msg = json.loads(text)
     except ValueError:
@@ -180,19 +186,6 @@ def _env(items: list[str]) -> dict[str, str]:
             raise InvalidRequest(f"env: {item!r} must be KEY=VALUE")
         out[key] = value
     return out
-
-
-async def _default_shell(ops: NodeOps, sandbox_id: str) -> list[str]:
-    """``bash -l`` where the image has bash, else ``/bin/sh`` (as the CLI does)."""
-    for candidate in _SHELLS:
-        try:
-            await ops.file_stat(sandbox_id, candidate)
-        except SandboxNotFound:
-            raise
-        except NotFound:
-            continue
-        return [candidate, "-l"]
-    return ["/bin/sh"]
 
 
 async def _close_with(ws: WebSocket, err: CorralError) -> None:

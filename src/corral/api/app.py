@@ -516,18 +516,23 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     # --- events and node
     _kinds = Query([], description="only events of these kinds (repeatable)")
 
+    _after = Query(None, description="cursor of the last event seen (its ``cursor`` field)")
+    _limit = Query(1000, description="most events to return (1-10000)")
+
     @r.get("/events", response_model=list[Event], tags=["events"])
     async def events(
         sandbox_id: str | None = None,
-        since_id: int = Query(0, ge=0),
+        after: str | None = _after,
+        limit: int = _limit,
         label: list[str] = Query([], description="key=value of the sandboxes' labels"),
         kind: list[str] = _kinds,
     ) -> Response:
         found = await ops.events(
             sandbox_id=sandbox_id,
-            since_id=since_id,
+            after=after,
             labels=_parse_labels(label),
             kinds=kind or None,
+            limit=limit,
         )
         return _json_list(found)
 
@@ -544,11 +549,15 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
 
     @r.get(sb + "/events", response_model=list[Event], tags=["events"])
     async def sandbox_events(
-        sandbox_id: str, since_id: int = Query(0, ge=0), kind: list[str] = _kinds
+        sandbox_id: str,
+        after: str | None = _after,
+        limit: int = _limit,
+        kind: list[str] = _kinds,
     ) -> Response:
-        return _json_list(
-            await ops.events(sandbox_id=sandbox_id, since_id=since_id, kinds=kind or None)
+        found = await ops.events(
+            sandbox_id=sandbox_id, after=after, kinds=kind or None, limit=limit
         )
+        return _json_list(found)
 
     # --- fncall
     @r.post("/fncall/run", response_model=CallResult, tags=["fncall"])

@@ -541,7 +541,6 @@ class ContainerBackend:
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
-
     # ------------------------------------------------------------------ snapshot, fork
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose

@@ -16,20 +16,13 @@ import signal
 import struct
 import termios
 import tty
-from typing import Any, Protocol
 
-__all__ = ["PtyStream", "attach", "exit_status", "window_size"]
+from corral.ops import PtyStream
+from corral.spec import ExecResult
+
+__all__ = ["attach", "exit_status", "window_size"]
 
 _READ = 64 * 1024
-
-
-class PtyStream(Protocol):
-    """What :func:`attach` needs of the stream that ``Node.pty`` returns (once entered)."""
-
-    def __aiter__(self) -> Any: ...
-    async def write(self, data: bytes) -> None: ...
-    async def resize(self, rows: int, cols: int) -> None: ...
-    async def close_stdin(self) -> None: ...
 
 
 def window_size(fd: int) -> tuple[int, int]:
@@ -58,10 +51,10 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-async def attach(stream: Any, *, stdin_fd: int = 0, stdout_fd: int = 1) -> Any:
-    """Run the session: ``stream`` is an un-entered async context manager (``Node.pty``).
+async def attach(stream: PtyStream, *, stdin_fd: int = 0, stdout_fd: int = 1) -> ExecResult | None:
+    """Run the session: ``stream`` is what ``await ops.pty(...)`` returns (not yet entered).
 
-    Returns ``stream.result`` (how the remote command ended).
+    Returns ``stream.result`` (how the remote command ended; None if it never said).
     """
     loop = asyncio.get_running_loop()
     saved = termios.tcgetattr(stdin_fd) if os.isatty(stdin_fd) else None
@@ -106,7 +99,7 @@ async def attach(stream: Any, *, stdin_fd: int = 0, stdout_fd: int = 1) -> Any:
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(signal.SIGWINCH, on_winch)
             pump_task = loop.create_task(pump())
-            async for _name, data in s:
+            async for data in s:
                 _write_all(stdout_fd, data)
         finally:
             if reading:
@@ -123,12 +116,10 @@ async def attach(stream: Any, *, stdin_fd: int = 0, stdout_fd: int = 1) -> Any:
     return s.result
 
 
-def exit_status(result: Any) -> int:
+def exit_status(result: ExecResult | None) -> int:
     """Shell-style status of a finished pty command (128+N when killed by signal N)."""
     if result is None:
         return 1
-    code = getattr(result, "code", getattr(result, "exit_code", None))
-    sig = getattr(result, "signal", None)
-    if sig:
-        return 128 + int(sig)
-    return int(code) if code is not None else 1
+    if result.signal:
+        return 128 + result.signal
+    return result.exit_code if result.exit_code is not None else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from corral.cli._context import EMBEDDED, Globals, emit_json, err, human_bytes, out
@@ -18,7 +19,7 @@ from corral.errors import Conflict, InvalidRequest
 if TYPE_CHECKING:
     from corral.node import NodeConfig
     from corral.ops import NodeOps
-    from corral.spec import NodeStatus
+    from corral.spec import BackendStatus, NodeStatus
 
 __all__ = ["app"]
 
@@ -165,30 +166,48 @@ def status(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Show the node's identity, runtime, sandbox counts and memory."""
+    """Show the node's identity, backends, capacity and what it runs."""
     g: Globals = ctx.obj
     st = asyncio.run(_status(g))
     if json_out or g.json:
         emit_json(st)
         return
+    out().print(status_table(st))
+
+
+def status_table(st: NodeStatus) -> Table:
+    """The node's status as a two-column table (key, value)."""
     table = Table(show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column()
+    cap = f" of {st.max_sandboxes}" if st.max_sandboxes else ""
     for key, value in (
         ("node", st.node_id),
         ("version", st.version),
-        ("runtime", st.runtime),
+        ("labels", " ".join(f"{k}={v}" for k, v in sorted(st.labels.items())) or "none"),
+        *(_backend_row(b, st.default_backend) for b in st.backends),
         ("cgroups", st.cgroup_mode),
-        ("sandboxes", f"{st.sandboxes} ({st.running} running, {st.paused} paused)"),
+        ("sandboxes", f"{st.sandboxes}{cap} ({st.running} running, {st.paused} paused)"),
+        ("cpus", f"{st.cpus} (load {st.load1:.2f})"),
+        ("memory", f"{human_bytes(st.mem_available)} free of {human_bytes(st.mem_total)}"),
+        ("scratch", f"{human_bytes(st.scratch_free)} free of {human_bytes(st.scratch_total)}"),
         ("swap", ", ".join(st.swap) or "none added"),
         ("core scheduling", "yes" if st.core_scheduling else f"no: {st.qos_detail}"),
         ("mounted layers", str(st.mounted_layers)),
         ("state dir", st.state_dir),
         ("store", st.store),
-        ("memory", f"{human_bytes(st.mem_available)} free of {human_bytes(st.mem_total)}"),
     ):
-        table.add_row(key, value)
-    out().print(table)
+        table.add_row(escape(key), escape(value))
+    return table
+
+
+def _backend_row(b: BackendStatus, default: str) -> tuple[str, str]:
+    facts = [f"{k}={v}" for k, v in sorted(b.detail.items())]
+    if b.accel:
+        facts.insert(0, f"accel={b.accel}")
+    state = "ok" if b.ok else "NOT OK"
+    mark = ", default" if b.kind == default else ""
+    return f"backend {b.kind}", f"{state}{mark}" + (f" ({', '.join(facts)})" if facts else "")
 
 
 async def _status(g: Globals) -> NodeStatus:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -22,10 +22,11 @@ from corral.cli._context import (
     parse_pairs,
     validation_text,
 )
-from corral.errors import CorralError, InvalidRequest, NotFound
-from corral.spec import Limits
+from corral.errors import CorralError, InvalidRequest
+from corral.spec import Limits, PtyRequest
 
 if TYPE_CHECKING:
+    from corral.ops import NodeOps
     from corral.spec import Event, ExecResult, SandboxInfo
 
 __all__ = ["app", "exit_status"]
@@ -38,6 +39,7 @@ _network.register(app)  # network
 # Same conventions as timeout(1) and shells, so scripts can tell the cases apart.
 EXIT_TIMEOUT = 124
 _DESTROY_CONCURRENCY = 16
+_EVENTS_PAGE = 1000
 _FINAL_EVENTS = {"destroyed", "ttl_expired", "idle_timeout", "lost", "create_failed"}
 
 LabelOpt = Annotated[
@@ -243,9 +245,9 @@ async def _shell(
     env: dict[str, str],
     stdin_fd: int,
     stdout_fd: int,
-) -> Any:
+) -> ExecResult | None:
     target = g.target()
-    node: Any
+    node: NodeOps
     if target == EMBEDDED:
         from corral.node import Node
 
@@ -253,20 +255,14 @@ async def _shell(
     else:
         from corral.sdk._http import HTTPOps
 
-        # the same pty interface as the embedded node's, over the API's websocket
-        node = HTTPOps(target, token=g.token)
+        node = HTTPOps(target, token=g.token)  # the terminal over the API's websocket
     try:
-        if not cmd:
-            cmd = ["/bin/sh"]
-            for candidate in ("/bin/bash", "/usr/bin/bash"):
-                try:
-                    await node.file_stat(sandbox_id, candidate)
-                except NotFound:
-                    continue
-                cmd = [candidate, "-l"]
-                break
         rows, cols = _pty.window_size(stdin_fd)
-        stream = node.pty(sandbox_id, cmd, rows, cols, env=env)
+        try:
+            req = PtyRequest(cmd=cmd or None, rows=rows, cols=cols, env=env)
+        except ValidationError as exc:
+            raise InvalidRequest(validation_text(exc)) from None
+        stream = await node.pty(sandbox_id, req)  # no cmd: the node picks bash or sh
         return await _pty.attach(stream, stdin_fd=stdin_fd, stdout_fd=stdout_fd)
     finally:
         await node.close()
@@ -400,7 +396,10 @@ def events(
         str | None, typer.Argument(metavar="[ID]", help="Sandbox id (default: all).")
     ] = None,
     label: LabelOpt = None,
-    since: Annotated[int, typer.Option(help="Only events with an id above this.")] = 0,
+    after: Annotated[
+        str | None,
+        typer.Option(metavar="CURSOR", help="Only events after this cursor (an event's cursor)."),
+    ] = None,
     kind: Annotated[
         list[str] | None, typer.Option("--kind", "-k", help="Only this kind (repeatable).")
     ] = None,
@@ -431,16 +430,24 @@ def events(
             )
 
     async def run() -> None:
-        last = since
+        cursor = after
         async with g.client() as client:
             while True:
                 evs = await client.events(
-                    sandbox_id=sandbox_id, since_id=last, labels=labels or None, kinds=kind
+                    sandbox_id=sandbox_id,
+                    after=cursor,
+                    labels=labels or None,
+                    kinds=kind,
+                    limit=_EVENTS_PAGE,
                 )
                 show(evs)
                 if evs:
-                    last = evs[-1].id
-                if not follow or (sandbox_id and any(e.kind in _FINAL_EVENTS for e in evs)):
+                    cursor = evs[-1].cursor
+                if sandbox_id and any(e.kind in _FINAL_EVENTS for e in evs):
+                    return
+                if len(evs) == _EVENTS_PAGE:
+                    continue  # a full page: more are waiting
+                if not follow:
                     return
                 await asyncio.sleep(1.0)
 

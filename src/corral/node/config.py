@@ -50,9 +50,7 @@ class NodeConfig(BaseModel):
     id_count: int = Field(65536, ge=1024)
     scratch_size: ByteSize = 64 << 30
     """Size of the sparse btrfs image holding writable layers."""
-    backends: list[BackendConfig] = Field(
-        default_factory=lambda: [ContainerConfig()], min_length=1
-    )
+    backends: list[BackendConfig] = Field(default_factory=lambda: [ContainerConfig()], min_length=1)
     """The isolation engines this node runs (``[[node.backends]]`` with ``kind``); each kind
     at most once."""
     default_backend: str = "container"

@@ -170,7 +170,11 @@ class Execs:
         before = self._oom_kills(info)
         with self.table.working(sandbox_id):
             stream = self._agent(info).stream(
-                req.cmd, stdin_pipe=req.stdin is not None, tty=req.tty, keep_output=False, **p  # type: ignore[arg-type]
+                req.cmd,
+                stdin_pipe=req.stdin is not None,
+                tty=req.tty,
+                keep_output=False,
+                **p,  # type: ignore[arg-type]
             )
             async with self.life.agent_errors(sandbox_id, "the exec"), stream as s:
                 if req.stdin is not None:

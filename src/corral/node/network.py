@@ -36,21 +36,28 @@ import concurrent.futures
 import contextlib
 import hashlib
 import ipaddress
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corral.errors import CapacityError, HostError
-from corral.host import netlink
 from corral.host.netlink import Links
 from corral.host.nft import Nft, NftError
+from corral.node import uplinks
+from corral.node.netrules import (
+    SbNet,
+    admit_commands,
+    base_table,
+    key,
+    new_mark,
+    sandbox_batch,
+    veth_name,
+)
 from corral.node.resolver import Resolver
 from corral.policy.network import Compiled, NetworkConfig
-from corral.spec import NetworkPolicy, sandbox_local
+from corral.spec import NetworkPolicy
 
 __all__ = ["NodeNetwork", "veth_name"]
 
@@ -59,28 +66,6 @@ log = logging.getLogger("corral.network")
 EventSink = Callable[[str | None, str, dict[str, Any]], object]
 
 _POLL_INTERVAL = 0.5
-_MAX_ANSWER_ADDRS = 32
-
-
-def veth_name(sandbox_id: str) -> str:
-    """Host-side veth of a sandbox (IFNAMSIZ is 16 with the NUL: 'cv' + the id's 12-char
-    local part, unique per host whichever node of the host owns it)."""
-    return "cv" + sandbox_local(sandbox_id)
-
-
-def _key(sandbox_id: str) -> str:
-    """The sandbox's key in the node's nft sets and maps (the id's local part)."""
-    return sandbox_local(sandbox_id)
-
-
-@dataclass
-class _SbNet:
-    sid: str
-    address: str
-    policy: Compiled
-    mark: int
-    handed: dict[str, tuple[float, set[str]]] = field(default_factory=dict)
-    """address -> (expiry, names it was handed out for)."""
 
 
 class NodeNetwork:
@@ -100,7 +85,7 @@ class NodeNetwork:
         self._links: Links | None = None
         self._resolver: Resolver | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._sb: dict[str, _SbNet] = {}
+        self._sb: dict[str, SbNet] = {}
         self._by_addr: dict[str, str] = {}
         self._denied_seen: dict[tuple[Any, ...], float] = {}
         self._dns_seen: dict[tuple[str, str], float] = {}
@@ -248,7 +233,7 @@ class NodeNetwork:
                 return existing.address
             await self._start()
             address = self._allocate()
-            sb = _SbNet(sandbox_id, address, compiled, _new_mark())
+            sb = SbNet(sandbox_id, address, compiled, new_mark())
             self._sb[sandbox_id] = sb
             self._by_addr[address] = sandbox_id
             # The nft transaction (chain, sets, the veth's entries) runs in the node's nft
@@ -289,7 +274,7 @@ class NodeNetwork:
             self._apply(sb, compiled)
         return sb.address
 
-    def _apply(self, sb: _SbNet, compiled: Compiled) -> None:
+    def _apply(self, sb: SbNet, compiled: Compiled) -> None:
         """Make the kernel enforce ``compiled`` for ``sb``: one nft transaction, or none."""
         old_policy, old_mark = sb.policy, sb.mark
         # Anything taken away (a host, a port, a range, a new denial) ends the established
@@ -301,7 +286,7 @@ class NodeNetwork:
         )
         sb.policy = compiled
         if revoked:
-            sb.mark = _new_mark()
+            sb.mark = new_mark()
         try:
             self._nft_run(self._sandbox_batch(sb, create=False, rules=revoked))
         except BaseException:
@@ -320,7 +305,7 @@ class NodeNetwork:
         if sb is None:
             return
         self._by_addr.pop(sb.address, None)
-        k, v = _key(sandbox_id), veth_name(sandbox_id)
+        k, v = key(sandbox_id), veth_name(sandbox_id)
         t = self.table
         batch = [
             f"delete element inet {t} out {{ {v} }}",
@@ -352,7 +337,7 @@ class NodeNetwork:
                     compiled = self.compile(policy)
                 except Exception:
                     compiled = Compiled(allow=[], deny=[])  # a permission the config lost
-                self._sb[sid] = _SbNet(sid, address, compiled, _new_mark())
+                self._sb[sid] = SbNet(sid, address, compiled, new_mark())
                 self._by_addr[address] = sid
             if not self._sb:
                 # Nothing to serve: remove leftovers of an earlier run, if any.
@@ -403,7 +388,7 @@ class NodeNetwork:
         out: dict[str, Any] = {}
         if self._nft is None or sandbox_id not in self._sb:
             return out
-        k = _key(sandbox_id)
+        k = key(sandbox_id)
         for name in ("n", "d"):
             data = self._nft.json(f"list set inet {self.table} {name}_{k}")
             elems = []
@@ -424,24 +409,7 @@ class NodeNetwork:
         sb = self._sb.get(sid) if sid else None
         if sb is None:
             return
-        services = sb.policy.ports_for(name) or []
-        now = time.monotonic()
-        if len(sb.handed) > 4096:  # bounded memory: forget what the kernel has expired
-            sb.handed = {ip: v for ip, v in sb.handed.items() if v[0] > now}
-        cmds = []
-        set_name = f"d_{_key(sb.sid)}"
-        for ip, ttl in addrs[:_MAX_ANSWER_ADDRS]:
-            ttl = max(self.cfg.min_ttl, min(self.cfg.max_ttl, ttl))
-            exp, names = sb.handed.get(ip, (0.0, set()))
-            names.add(name)
-            sb.handed[ip] = (max(exp, now + ttl), names)
-            for proto, port in services:
-                e = f"{ip} . {proto} . {port}"
-                # add (no-op if present), delete, add again: one transaction that leaves
-                # exactly one element with the new timeout, present or not before.
-                cmds.append(f"add element inet {self.table} {set_name} {{ {e} timeout 1s }}")
-                cmds.append(f"delete element inet {self.table} {set_name} {{ {e} }}")
-                cmds.append(f"add element inet {self.table} {set_name} {{ {e} timeout {ttl}s }}")
+        cmds = admit_commands(self.table, sb, name, addrs, self.cfg.min_ttl, self.cfg.max_ttl)
         if cmds:
             async with self._lock:
                 if sb.sid in self._sb:
@@ -483,51 +451,9 @@ class NodeNetwork:
                         existing.add(f"{kind} {item[kind]['name']}")
         except NftError:
             pass
-        base = f"""
-add table inet {t}
-add set inet {t} veths {{ type ifname; }}
-add set inet {t} ifaddr {{ type ifname . ipv4_addr; }}
-add set inet {t} denied {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags dynamic,timeout; timeout {w}; size 65536; }}
-add set inet {t} denied_other {{ type ipv4_addr . ipv4_addr . inet_proto; flags dynamic,timeout; timeout {w}; size 16384; }}
-add map inet {t} out {{ type ifname : verdict; }}
-add chain inet {t} guard
-add chain inet {t} deny
-add chain inet {t} sb_input
-add chain inet {t} sb_forward
-add chain inet {t} pre {{ type filter hook prerouting priority -300; policy accept; }}
-add chain inet {t} input {{ type filter hook input priority -5; policy accept; }}
-add chain inet {t} forward {{ type filter hook forward priority -5; policy accept; }}
-add chain inet {t} post {{ type nat hook postrouting priority srcnat; policy accept; }}
-flush map inet {t} out
-flush set inet {t} veths
-flush set inet {t} ifaddr
-flush chain inet {t} guard
-flush chain inet {t} deny
-flush chain inet {t} sb_input
-flush chain inet {t} sb_forward
-flush chain inet {t} pre
-flush chain inet {t} input
-flush chain inet {t} forward
-flush chain inet {t} post
-add rule inet {t} pre iifname @veths jump guard
-add rule inet {t} guard meta nfproto ipv6 counter drop
-add rule inet {t} guard iifname . ip saddr @ifaddr return
-add rule inet {t} guard counter drop
-add rule inet {t} deny meta l4proto {{ tcp, udp }} add @denied {{ ip saddr . ip daddr . meta l4proto . th dport }} counter drop
-add rule inet {t} deny add @denied_other {{ ip saddr . ip daddr . meta l4proto }} counter drop
-add rule inet {t} input iifname @veths jump sb_input
-add rule inet {t} sb_input ip daddr {gw} udp dport 53 accept
-add rule inet {t} sb_input goto deny
-add rule inet {t} forward iifname @veths jump sb_forward
-add rule inet {t} forward oifname @veths ct state established,related accept
-add rule inet {t} forward oifname @veths counter drop
-add rule inet {t} sb_forward ip daddr {{ {net}, 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/3 }} goto deny
-add rule inet {t} sb_forward iifname vmap @out
-add rule inet {t} sb_forward goto deny
-add rule inet {t} post ip saddr {net} oifname != @veths masquerade
-"""
+        base = base_table(t, gw, net, w)
         parts = [base]
-        known = {_key(s) for s in self._sb}
+        known = {key(s) for s in self._sb}
         for sb in self._sb.values():
             parts.append(self._sandbox_batch(sb, create=True))
         for obj in sorted(existing):
@@ -541,58 +467,8 @@ add rule inet {t} post ip saddr {net} oifname != @veths masquerade
                 parts.append(f"delete set inet {t} {name}")
         self._nft.run("\n".join(parts))
 
-    def _sandbox_batch(self, sb: _SbNet, create: bool, rules: bool = True) -> str:
-        """nft commands that make the kernel match ``sb`` (its sets, chain, elements)."""
-        t, k, v = self.table, _key(sb.sid), veth_name(sb.sid)
-        lines = []
-        if create:
-            lines += [
-                f"add set inet {t} n_{k} {{ type ipv4_addr . inet_proto . inet_service; "
-                "flags interval; auto-merge; }",
-                f"add set inet {t} d_{k} {{ type ipv4_addr . inet_proto . inet_service; "
-                "flags timeout; size 65536; }",
-                f"add chain inet {t} s_{k}",
-            ]
-        if create or rules:
-            m = sb.mark
-            lines += [
-                f"flush chain inet {t} s_{k}",
-                f"add rule inet {t} s_{k} ct state established,related ct mark {m} accept",
-                f"add rule inet {t} s_{k} ip daddr . meta l4proto . th dport @n_{k} "
-                f"ct mark set {m} accept",
-                f"add rule inet {t} s_{k} ip daddr . meta l4proto . th dport @d_{k} "
-                f"ct mark set {m} accept",
-                f"add rule inet {t} s_{k} goto deny",
-            ]
-        if create:
-            lines += [
-                f"add element inet {t} veths {{ {v} }}",
-                f"add element inet {t} ifaddr {{ {v} . {sb.address} }}",
-                f"add element inet {t} out {{ {v} : jump s_{k} }}",
-            ]
-        # Static entries, replaced whole.
-        lines.append(f"flush set inet {t} n_{k}")
-        static = sorted(
-            {f"{net} . {p} . {port}" for net, svc in sb.policy.cidrs for p, port in svc}
-        )
-        if static:
-            lines.append(f"add element inet {t} n_{k} {{ {', '.join(static)} }}")
-        # Addresses handed out by the resolver: kept for names still allowed, with the
-        # time they have left, opened for the ports the new policy gives those names.
-        if not create:
-            lines.append(f"flush set inet {t} d_{k}")
-            now = time.monotonic()
-            dyn = []
-            for ip, (exp, names) in list(sb.handed.items()):
-                left = int(exp - now)
-                svc = {s for n in names for s in (sb.policy.ports_for(n) or [])}
-                if left < 1 or not svc:
-                    del sb.handed[ip]
-                    continue
-                dyn += [f"{ip} . {p} . {port} timeout {left}s" for p, port in sorted(svc)]
-            if dyn:
-                lines.append(f"add element inet {t} d_{k} {{ {', '.join(dyn)} }}")
-        return "\n".join(lines)
+    def _sandbox_batch(self, sb: SbNet, create: bool, rules: bool = True) -> str:
+        return sandbox_batch(self.table, sb, create, rules)
 
     # ------------------------------------------------------------------ denials
     async def _poll_forever(self) -> None:
@@ -655,50 +531,11 @@ add rule inet {t} post ip saddr {net} oifname != @veths masquerade
                 return ip
         raise CapacityError(f"the node network {self.cfg.subnet} has no free address")
 
-    def _uplinks(self) -> list[str]:
-        if self.cfg.uplinks is not None:
-            return list(self.cfg.uplinks)
-        out = []
-        try:
-            with open("/proc/net/route") as f:
-                for line in list(f)[1:]:
-                    p = line.split()
-                    if len(p) > 2 and p[1] == "00000000" and p[0] not in out:
-                        out.append(p[0])
-        except OSError:
-            pass
-        return out
-
     def _enable_uplinks(self) -> None:
-        """Forwarding on the interfaces replies come back through (per interface; the
-        host's global setting is left alone). Old values are kept for teardown."""
-        record = self.dir / "uplinks.json"
-        saved: dict[str, str] = {}
-        with contextlib.suppress(OSError, ValueError):
-            saved = json.loads(record.read_text())
-        for dev in self._uplinks():
-            key = f"net/ipv4/conf/{dev}/forwarding"
-            try:
-                old = netlink.read_sysctl(key)
-                if old != "1":
-                    saved.setdefault(dev, old)
-                    netlink.write_sysctl(key, "1")
-            except OSError as e:
-                log.warning("cannot enable forwarding on %s: %s", dev, e)
-        if saved:
-            self.dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-            record.write_text(json.dumps(saved))
+        uplinks.enable(self.cfg.uplinks, self.dir / "uplinks.json")
 
     def _restore_uplinks(self) -> None:
-        record = self.dir / "uplinks.json"
-        try:
-            saved = json.loads(record.read_text())
-        except (OSError, ValueError):
-            return
-        for dev, old in saved.items():
-            with contextlib.suppress(OSError):
-                netlink.write_sysctl(f"net/ipv4/conf/{dev}/forwarding", str(old))
-        record.unlink(missing_ok=True)
+        uplinks.restore(self.dir / "uplinks.json")
 
 
 class _ResolverHooks:
@@ -717,12 +554,3 @@ class _ResolverHooks:
 
 def _freeze(item: tuple[str, list[tuple[str, str]]]) -> tuple[str, tuple[tuple[str, str], ...]]:
     return (item[0], tuple(item[1]))
-
-
-_mark_counter = [0]
-
-
-def _new_mark() -> int:
-    """A connection mark no earlier policy of any sandbox on this host used."""
-    _mark_counter[0] += 1
-    return ((int(time.time()) & 0xFFFF) << 15 | (_mark_counter[0] & 0x7FFF)) or 1

@@ -53,8 +53,7 @@ class Backends:
         backend = self._by_kind.get(kind)
         if backend is None:
             raise InvalidRequest(
-                f"backend: this node has no {kind!r} backend (it has: "
-                f"{', '.join(self._by_kind)})"
+                f"backend: this node has no {kind!r} backend (it has: {', '.join(self._by_kind)})"
             )
         return backend
 

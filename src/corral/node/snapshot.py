@@ -78,9 +78,7 @@ class Snapshots:
             frozen = await self._copy(info, work, "snapshot")
             copied = time.perf_counter()
             try:
-                layer = await backend.pack(
-                    work, source=sandbox_id, max_bytes=info.spec.limits.disk
-                )
+                layer = await backend.pack(work, source=sandbox_id, max_bytes=info.spec.limits.disk)
             except OSError as e:
                 # The tree is the guest's: e.g. paths nested past PATH_MAX cannot be packed.
                 raise HostError(

@@ -109,18 +109,26 @@ class AsyncClient:
     async def events(
         self,
         sandbox_id: str | None = None,
-        since_id: int = 0,
+        after: str | None = None,
         labels: Mapping[str, str] | None = None,
         kinds: Sequence[str] | None = None,
+        limit: int = 1000,
     ) -> builtins.list[Event]:
-        """Lifecycle and security events with ids above ``since_id``, oldest first;
-        ``kinds`` keeps only those kinds (e.g. ``["seccomp", "pids_limit"]``)."""
+        """Lifecycle and security events after the cursor ``after`` (None: from the
+        start), oldest first, at most ``limit`` (1 to 10000); ``kinds`` keeps only those
+        kinds (e.g. ``["seccomp", "pids_limit"]``). Page on with the last event's cursor.
+
+        Example:
+            >>> evs = await client.events(labels={"job": "rl-42"})        # doctest: +SKIP
+            >>> more = await client.events(after=evs[-1].cursor)          # doctest: +SKIP
+        """
         ops = await self._get_ops()
         return await ops.events(
             sandbox_id=sandbox_id,
-            since_id=since_id,
+            after=after,
             labels=dict(labels) if labels else None,
             kinds=_kinds(kinds),
+            limit=limit,
         )
 
     async def events_summary(
@@ -231,11 +239,13 @@ class Sandboxes:
         idle_pause: float | None = None,
         qos: str | None = None,
         network: NetworkPolicy | Mapping[str, Any] | None = None,
+        backend: str | None = None,
     ) -> Sandbox:
         """Create a sandbox and wait until it runs.
 
         An ``ImageInfo`` is pinned by digest, so every sandbox of a run gets the same
-        layers even if the name is recomposed meanwhile. None means the spec's default.
+        layers even if the name is recomposed meanwhile. None means the spec's default
+        (for ``backend``: the node's default isolation engine, ``container``).
         """
         fields: dict[str, Any] = {
             "image": image.digest if isinstance(image, ImageInfo) else image,
@@ -249,6 +259,7 @@ class Sandboxes:
             "idle_pause": idle_pause,
             "qos": qos,
             "network": network,
+            "backend": backend,
         }
         try:
             spec = SandboxSpec.model_validate({k: v for k, v in fields.items() if v is not None})

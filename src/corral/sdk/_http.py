@@ -40,6 +40,7 @@ from corral.spec import (
     LayerInfo,
     NodeStatus,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
@@ -424,19 +425,19 @@ class HTTPOps(NodeOps):
     async def events(
         self,
         sandbox_id: str | None = None,
-        since_id: int = 0,
+        after: str | None = None,
         labels: dict[str, str] | None = None,
         kinds: list[str] | None = None,
+        limit: int = 1000,
     ) -> list[Event]:
+        page = [*([("after", after)] if after else []), ("limit", str(limit))]
         kind_params = [("kind", k) for k in kinds or ()]
         if sandbox_id is not None and not labels:
             resp = await self._call(
-                "GET",
-                self._sb(sandbox_id, "/events"),
-                params=[*([("since_id", str(since_id))] if since_id else []), *kind_params],
+                "GET", self._sb(sandbox_id, "/events"), params=[*page, *kind_params]
             )
         else:
-            params = [*_labels(labels), ("since_id", str(since_id)), *kind_params]
+            params = [*_labels(labels), *page, *kind_params]
             if sandbox_id is not None:
                 params.append(("sandbox_id", sandbox_id))
             resp = await self._call("GET", "/events", params=params)
@@ -480,30 +481,20 @@ class HTTPOps(NodeOps):
         return JudgeResult.model_validate_json(resp.content)
 
     # ------------------------------------------------------------- terminal
-    def pty(
-        self,
-        sandbox_id: str,
-        cmd: list[str] | None,
-        rows: int,
-        cols: int,
-        env: dict[str, str] | None = None,
-    ) -> PtySession:
-        """An interactive terminal over the API's websocket: an ``async with`` stream
-        like the embedded node's ``Node.pty``. ``cmd`` None or empty: the node's default
-        shell. Always over the network, even when ``transport`` was given.
+    async def pty(self, sandbox_id: str, req: PtyRequest) -> PtySession:
+        """An interactive terminal over the API's websocket (a :class:`corral.ops.PtyStream`,
+        connected when entered). Always over the network, even when ``transport`` was given.
 
         Example:
-            >>> async with ops.pty(sid, ["/bin/sh"], 24, 80) as s:   # doctest: +SKIP
+            >>> async with await ops.pty(sid, PtyRequest(cmd=["/bin/sh"])) as s:  # doctest: +SKIP
             ...     await s.write(b"exit 3\\n")
-            ...     async for _, data in s: ...
-            >>> s.result.code                                           # doctest: +SKIP
+            ...     async for data in s: ...
+            >>> s.result.exit_code                                      # doctest: +SKIP
             3
         """
         from corral.sdk._ws import pty_session
 
-        return pty_session(
-            self._kind, self._where, sandbox_id, cmd, rows, cols, env=env, token=self._token
-        )
+        return pty_session(self._kind, self._where, sandbox_id, req, token=self._token)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -241,11 +241,16 @@ class Sandbox:
         info = await self._ops.shell_open(self.id, cwd=cwd, env=dict(env) if env else None)
         return Shell(self._ops, self.id, info, _KEY)
 
-    async def events(self, kinds: Sequence[str] | None = None) -> builtins.list[Event]:
-        """This sandbox's lifecycle and security events, oldest first (only ``kinds``)."""
+    async def events(
+        self, kinds: Sequence[str] | None = None, after: str | None = None, limit: int = 1000
+    ) -> builtins.list[Event]:
+        """This sandbox's lifecycle and security events, oldest first (only ``kinds``),
+        after the cursor ``after``, at most ``limit``; page on with the last one's cursor."""
         if isinstance(kinds, str):
             raise InvalidRequest("kinds: give a list of event kinds, not one string")
-        return await self._ops.events(sandbox_id=self.id, kinds=list(kinds) if kinds else None)
+        return await self._ops.events(
+            sandbox_id=self.id, after=after, kinds=list(kinds) if kinds else None, limit=limit
+        )
 
     async def destroy(self) -> None:
         await self._ops.sandbox_destroy(self.id)

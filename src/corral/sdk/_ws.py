@@ -1,13 +1,13 @@
 """A sandbox terminal over the node API's websocket (``/v1/sandboxes/{id}/pty``).
 
-:class:`PtySession` has the interface of the embedded node's pty stream (the init's
-``ExecStream``), so ``corral sandbox shell`` drives both alike::
+:class:`PtySession` is a :class:`corral.ops.PtyStream`, like the embedded node's and the
+FakeNode's terminals, so ``corral sandbox shell`` drives them all alike::
 
-    async with ops.pty(sandbox_id, ["/bin/sh"], 24, 80) as s:
+    async with await ops.pty(sandbox_id, PtyRequest(cmd=["/bin/sh"])) as s:
         await s.write(b"echo hi; exit 3\\n")
-        async for _name, data in s:        # _name is always "stdout" (a tty merges them)
+        async for data in s:               # bytes (a tty merges stdout and stderr)
             ...
-    s.result.code                          # 3
+    s.result.exit_code                     # 3
 
 The wire protocol is described in :mod:`corral.api._pty`.
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
@@ -31,42 +31,37 @@ from corral.errors import (
     TransportError,
     error_from_wire,
 )
+from corral.spec import ExecResult, PtyRequest
 
-__all__ = ["PtyExit", "PtySession", "pty_session"]
+__all__ = ["PtySession", "pty_session", "pty_query"]
 
 # Terminal output comes in chunks of at most a pipe's worth; 4 MiB leaves ample room.
 _MAX_MESSAGE = 4 << 20
 _OPEN_TIMEOUT = 30.0
 
 
-@dataclass(frozen=True)
-class PtyExit:
-    """How the terminal's command ended."""
-
-    reason: str
-    """exited | signaled | timeout | output_limit"""
-    code: int | None
-    """Exit status when the command exited by itself."""
-    signal: int | None
-    """Terminating signal when it was killed."""
+def pty_query(req: PtyRequest) -> list[tuple[str, str | int]]:
+    """The websocket's query for ``req`` (the API's ``_pty`` parses it back)."""
+    query: list[tuple[str, str | int]] = [("rows", req.rows), ("cols", req.cols)]
+    query += [("cmd", c) for c in req.cmd or []]
+    query += [("env", f"{k}={v}") for k, v in req.env.items()]
+    if req.cwd is not None:
+        query.append(("cwd", req.cwd))
+    if req.user is not None:
+        query.append(("user", req.user))
+    return query
 
 
 def pty_session(
     kind: str,
     where: str,
     sandbox_id: str,
-    cmd: list[str] | None,
-    rows: int,
-    cols: int,
+    req: PtyRequest,
     *,
-    env: dict[str, str] | None = None,
     token: str | None = None,
 ) -> PtySession:
     """A not-yet-connected session; ``kind``/``where`` as from ``parse_target``."""
-    query: list[tuple[str, str | int]] = [("rows", rows), ("cols", cols)]
-    query += [("cmd", c) for c in cmd or []]
-    query += [("env", f"{k}={v}") for k, v in (env or {}).items()]
-    path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/pty?{urlencode(query)}"
+    path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/pty?{urlencode(pty_query(req))}"
     headers = {"authorization": f"Bearer {token}"} if token else {}
     opts: dict[str, Any] = {
         "additional_headers": headers,
@@ -91,7 +86,8 @@ def pty_session(
 
 
 class PtySession:
-    """One terminal: ``async with`` it, iterate its output, then read ``result``."""
+    """One terminal (a :class:`corral.ops.PtyStream`): ``async with`` it, iterate its
+    output, then read ``result``."""
 
     def __init__(
         self,
@@ -103,7 +99,7 @@ class PtySession:
         self._target = target
         self._sandbox_id = sandbox_id
         self._ws: ClientConnection | None = None
-        self._result: PtyExit | None = None
+        self._result: ExecResult | None = None
         self.pid = 0
         """The pid of the command inside the sandbox, known once the block is entered."""
         self.cmd: list[str] = []
@@ -140,34 +136,35 @@ class PtySession:
         if self._ws is not None:
             await self._ws.close()
 
-    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
         return self._frames()
 
-    async def _frames(self) -> AsyncIterator[tuple[str, bytes]]:
+    async def _frames(self) -> AsyncIterator[bytes]:
         while self._result is None:
             msg = await self._recv()
             if isinstance(msg, bytes):
-                yield "stdout", msg
+                yield msg
                 continue
             exit_ = self._control(msg).get("exit")
-            if isinstance(exit_, dict):
-                self._result = PtyExit(
-                    reason=str(exit_.get("reason")),
-                    code=exit_.get("code"),
-                    signal=exit_.get("signal"),
-                )
+            if exit_ is not None:
+                try:
+                    # JSON validation: its bytes fields travel as base64
+                    self._result = ExecResult.model_validate_json(json.dumps(exit_))
+                except ValidationError as exc:
+                    raise SandboxError(
+                        f"the node ended the terminal with an exit that is not one: {exc}"
+                    ) from None
 
-    async def wait(self) -> PtyExit:
-        """Read (and drop) the rest of the output; return the exit."""
+    async def wait(self) -> ExecResult:
+        """Read (and drop) the rest of the output; return how the command ended."""
         async for _ in self:
             pass
-        return self.result
+        assert self._result is not None  # the iteration ends only with a result
+        return self._result
 
     @property
-    def result(self) -> PtyExit:
-        """How the command ended; available once the iteration has finished."""
-        if self._result is None:
-            raise SandboxError("the terminal has not ended yet: iterate the stream to its end")
+    def result(self) -> ExecResult | None:
+        """How the command ended; None until the iteration has reached the end."""
         return self._result
 
     async def write(self, data: bytes) -> None:

@@ -1,0 +1,126 @@
+"""The node-wide pieces a node is assembled from, opened in order.
+
+State database, layer store, cgroup subtree, scratch filesystem, swap, the security log
+(with its seccomp listener), the network, and the backends (built from the config and
+started). Each piece's close is registered as it opens, so an open that fails part-way
+closes exactly what it opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from corral.backends.base import Backend, HostContext, Meters
+from corral.host.btrfs import Scratch
+from corral.host.cgroups import Cgroups
+from corral.images.store import LayerStore
+from corral.node.config import NodeConfig
+from corral.node.network import NodeNetwork
+from corral.node.pause import NodeSwap
+from corral.node.registry import Backends, make_backend
+from corral.node.security import NodeSecurity
+from corral.node.state import StateStore
+
+__all__ = ["NodeHost", "open_host", "Parts"]
+
+Parts = tuple[Callable[[HostContext], list[Backend]], tuple[Cgroups, Scratch]]
+"""Engines and node-wide kernel pieces given by a test (corral.testing.open_fake_node)."""
+
+
+@dataclass
+class NodeHost:
+    """The node-wide pieces every part shares (opened in this order, closed in reverse)."""
+
+    lock_fd: int
+    node_id: str
+    state: StateStore
+    store: LayerStore
+    cgroups: Cgroups
+    scratch: Scratch
+    swap: NodeSwap
+    security: NodeSecurity
+    network: NodeNetwork
+    backends: Backends
+
+
+async def open_host(
+    cfg: NodeConfig,
+    lock_fd: int,
+    closers: list[Callable[[], object]],
+    parts: Parts | None,
+) -> NodeHost:
+    """Open the node-wide pieces and the backends, registering each one's close."""
+    node_id_file = cfg.state_dir / "node_id"
+    if not node_id_file.exists():
+        node_id_file.write_text(uuid.uuid4().hex[:12])
+    node_id = node_id_file.read_text().strip()
+    state = StateStore(cfg.state_dir / "state.db")
+    closers.append(state.close)
+    store = LayerStore(cfg.store_dir)
+    if parts is None:
+        cgroups = Cgroups(cfg.cgroup_subtree)
+        scratch = Scratch(
+            cfg.state_dir / "scratch.img", cfg.state_dir / "scratch", cfg.scratch_size
+        )
+    else:
+        cgroups, scratch = parts[1]
+    await asyncio.to_thread(scratch.setup)
+    closers.append(scratch.close)
+    swap = NodeSwap(cfg.swap, cfg.state_dir)
+    await asyncio.to_thread(swap.setup)
+    registry: list[Backends] = []
+
+    def meters(sandbox_id: str) -> Meters:
+        info = state.get_sandbox(sandbox_id)
+        if not registry or info is None:
+            return Meters()
+        backend = registry[0].get(info.backend)
+        return Meters() if backend is None else backend.meters(sandbox_id)
+
+    security = NodeSecurity(
+        state.add_event,
+        meters,
+        # crun and runc >= 1.1 hand the filter's notification fd to this socket.
+        listener_path=cfg.run_dir / "seccomp.sock" if parts is None else None,
+        helper_dir=cfg.state_dir / "bin",  # its fd holder (host/fdstore.py)
+    )
+    closers.append(security.close)
+    network = NodeNetwork(cfg.network, cfg.cgroup_subtree, cfg.state_dir, state.add_event)
+    ctx = HostContext(
+        state_dir=cfg.state_dir,
+        run_dir=cfg.run_dir,
+        cgroups=cgroups,
+        scratch=scratch,
+        store=store,
+        host_uid=cfg.host_uid,
+        id_count=cfg.id_count,
+        seccomp_notify=security.notify_path,
+        extra_mounts=network.mounts(),
+        eager_layers=cfg.eager_layers,
+    )
+    made = [make_backend(b, ctx, cfg) for b in cfg.backends] if parts is None else parts[0](ctx)
+    for backend in made:
+        await backend.start()
+        closers.append(_stopper(backend))
+    backends = Backends(made, cfg.default_backend)
+    registry.append(backends)
+    return NodeHost(
+        lock_fd=lock_fd,
+        node_id=node_id,
+        state=state,
+        store=store,
+        cgroups=cgroups,
+        scratch=scratch,
+        swap=swap,
+        security=security,
+        network=network,
+        backends=backends,
+    )
+
+
+def _stopper(backend: Backend) -> Callable[[], object]:
+    """A closer that stops ``backend`` keeping its sandboxes (an open that failed)."""
+    return lambda: backend.stop(keep_running=True)
