@@ -168,8 +168,9 @@ async def test_each_sandbox_owns_its_user_namespace(red_node, guest, neighbour):
     for sb in (guest, neighbour):
         pid = (await red_node.sandbox_get(sb.id)).pid
         owners.append(namespace_owner(pid))
-    first = red_node.config.owner_first
-    assert all(o is not None and first <= o < first + red_node.config.owner_uids for o in owners)
+    container = red_node.config.backends[0]
+    first = red_node.config.owner_first(container)
+    assert all(o is not None and first <= o < first + container.owner_uids for o in owners)
     assert owners[0] != owners[1], owners
     # Not a uid the sandboxes map to either: the guest can never become its own owner.
     r = await run(guest, "cat /proc/self/uid_map")

@@ -57,12 +57,15 @@ def test_namespace_owner_of_this_process() -> None:
 def test_config_keeps_owners_out_of_the_mapped_range() -> None:
     from pydantic import ValidationError
 
+    from corral.backends.config import ContainerConfig
     from corral.node import NodeConfig
 
-    assert NodeConfig().owner_first == 165536
+    cfg = NodeConfig()
+    assert cfg.owner_first(cfg.backends[0]) == 165536
     with pytest.raises(ValidationError, match="overlap the mapped sandbox ids"):
-        NodeConfig(owner_uid=150000)
-    assert NodeConfig(owner_uid=20000, owner_uids=1000).owner_first == 20000
+        NodeConfig(backends=[{"kind": "container", "owner_uid": 150000}])
+    small = ContainerConfig(owner_uid=20000, owner_uids=1000)
+    assert NodeConfig(backends=[small]).owner_first(small) == 20000
 
 
 def test_config_joins_the_node_made_user_namespace() -> None:
