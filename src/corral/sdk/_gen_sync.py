@@ -146,8 +146,8 @@ class _Member:
     is_acm: bool = False  # @asynccontextmanager: returns an async context manager
 
 
-def _is_handle(obj: object) -> bool:
-    if not inspect.isclass(obj) or not obj.__module__.startswith("corral."):
+def _is_handle(obj: object, package: str) -> bool:
+    if not inspect.isclass(obj) or not obj.__module__.startswith(package):
         return False
     if issubclass(obj, (BaseModel, BaseException, enum.Enum)):
         return False
@@ -160,13 +160,13 @@ def _is_handle(obj: object) -> bool:
     return False
 
 
-def _lookup(fullname: str, load: bool = True) -> object:
-    """The object a dotted name refers to, for corral's own names only (None otherwise).
+def _lookup(fullname: str, package: str, load: bool = True) -> object:
+    """The object a dotted name refers to, for the package's own names only (else None).
 
     ``load=False`` looks only into modules already imported: enough to tell whether a
     parameter's type is a handle (handles were imported while discovering them), without
     importing, say, the whole embedded node for ``NodeConfig``."""
-    if not fullname.startswith("corral."):
+    if not fullname.startswith(package):
         return None
     module, _, attr = fullname.rpartition(".")
     if not load:
@@ -178,8 +178,6 @@ def _lookup(fullname: str, load: bool = True) -> object:
 
 
 def _sync_name(cls: type) -> str:
-    if (cls.__module__, cls.__name__) == ROOT:
-        return ROOT_SYNC_NAME
     name = cls.__name__
     return name.removeprefix("Async") if name.startswith("Async") else f"Blocking{name}"
 
@@ -202,15 +200,17 @@ def _doc(text: str | None, indent: str, head: str = "") -> str:
 class _Generator:
     """Walks the handles from the root and renders one blocking class for each."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: tuple[str, str] = ROOT, root_name: str = ROOT_SYNC_NAME) -> None:
         self.modules: dict[str, _Module] = {}
         self.handles: dict[type, str] = {}  # async class -> blocking class name
         self.order: list[type] = []
         self.typing_imports: dict[str, tuple[str, str | None]] = {}
         self.runtime_imports: dict[str, tuple[str, str | None]] = {}
         self.helpers: set[str] = {"_Handle"}
-        root_module, root_name = ROOT
-        self.root: type = getattr(importlib.import_module(root_module), root_name)
+        self.root: type = getattr(importlib.import_module(root[0]), root[1])
+        self.root_name = root_name
+        # handles are the root package's own classes (``corral.``), never a library's
+        self.package = root[0].partition(".")[0] + "."
 
     def module(self, name: str) -> _Module:
         if name not in self.modules:
@@ -229,14 +229,14 @@ class _Generator:
                 for node in ast.walk(m.returns):
                     if isinstance(node, (ast.Name, ast.Attribute)):
                         full = m.module.fullname(node)
-                        obj = _lookup(full) if full else None
-                        if _is_handle(obj):
+                        obj = _lookup(full, self.package) if full else None
+                        if _is_handle(obj, self.package):
                             assert isinstance(obj, type)
                             self.add(obj)
 
     def add(self, cls: type) -> None:
         if cls not in self.handles:
-            name = _sync_name(cls)
+            name = self.root_name if cls is self.root else _sync_name(cls)
             if name in self.handles.values():
                 raise GenError(f"two handles map to the blocking name {name}: rename one")
             self.handles[cls] = name
@@ -246,8 +246,8 @@ class _Generator:
         """Public members in source order; a subclass's definition wins over its base's."""
         found: dict[str, _Member] = {}
         for klass in reversed(cls.__mro__):
-            if not klass.__module__.startswith("corral."):
-                continue  # object, Protocol, Generic: nothing of corral's API
+            if not klass.__module__.startswith(self.package):
+                continue  # object, Protocol, Generic: not part of the API
             mod = self.module(klass.__module__)
             cdef = mod.classes.get(klass.__qualname__)
             if cdef is None:
@@ -358,7 +358,7 @@ class _Generator:
         while isinstance(root, ast.Attribute):
             root = root.value
         if not isinstance(root, ast.Name):
-            raise GenError(f"{mod.name}: cannot import {ast.unparse(node)!r}")
+            raise GenError(f"cannot import {ast.unparse(node)!r}")
         self.import_name(root.id, mod.source_of(root.id), runtime)
         return ast.unparse(node)
 
@@ -397,25 +397,25 @@ class _Generator:
             return ast.unparse(node), None
         if isinstance(node, (ast.Name, ast.Attribute)):
             full = mod.fullname(node)
-            obj = own if full in SELF else _lookup(full or "", load=False)
+            obj = own if full in SELF else _lookup(full or "", self.package, load=False)
             if isinstance(obj, type) and obj in self.handles:
                 name = self.handles[obj]
                 if param:
                     return name, lambda v, d: f"{v}._obj"
                 return name, lambda v, d: f"{name}({v}, self._portal)"
             if full in SELF:
-                raise GenError(f"{mod.name}: Self outside a handle class")
+                raise GenError("Self outside a handle class")
             return self.use(node, mod), None
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
             return self.union(_flatten_union(node), mod, own, param)
         if isinstance(node, ast.List):  # Callable[[A, B], R]
             parts = [self.ann(e, mod, own, param) for e in node.elts]
             if any(c for _, c in parts):
-                raise GenError(f"{mod.name}: handles inside {ast.unparse(node)} are not mapped")
+                raise GenError(f"handles inside {ast.unparse(node)} are not mapped")
             return "[" + ", ".join(t for t, _ in parts) + "]", None
         if isinstance(node, ast.Subscript):
             return self.subscript(node, mod, own, param)
-        raise GenError(f"{mod.name}: cannot map the annotation {ast.unparse(node)!r}")
+        raise GenError(f"cannot map the annotation {ast.unparse(node)!r}")
 
     def subscript(
         self, node: ast.Subscript, mod: _Module, own: type, param: bool
@@ -439,9 +439,7 @@ class _Generator:
             )
             return f"AbstractContextManager[{item}]", _adapter("context", conv, self.helpers)
         if not param and base in AWAITABLE:
-            raise GenError(
-                f"{mod.name}: a plain method returning {ast.unparse(node)}; make it async"
-            )
+            raise GenError(f"a plain method returning {ast.unparse(node)}; make it async")
         parts = [self.ann(a, mod, own, param) for a in args]
         text = f"{self.use(node.value, mod)}[{', '.join(t for t, _ in parts)}]"
         convs = [c for _, c in parts if c is not None]
@@ -450,7 +448,7 @@ class _Generator:
         if base in LISTS and len(parts) == 1 and not param:
             inner = convs[0]
             return text, lambda v, d: f"[{inner(f'v{d}', d + 1)} for v{d} in {v}]"
-        raise GenError(f"{mod.name}: handles inside {ast.unparse(node)} are not mapped")
+        raise GenError(f"handles inside {ast.unparse(node)} are not mapped")
 
     def union(
         self, members: list[ast.expr], mod: _Module, own: type, param: bool
@@ -463,7 +461,7 @@ class _Generator:
         if len(convs) == 1 and all(t == "None" for t, c in parts if c is None):
             one = convs[0]
             return text, lambda v, d: f"None if {v} is None else {one(v, d)}"
-        raise GenError(f"{mod.name}: a union of handles and values is not mapped: {text}")
+        raise GenError(f"a union of handles and values is not mapped: {text}")
 
     # ------------------------------------------------------------------ rendering
     def render_class(self, cls: type) -> str:
@@ -481,6 +479,12 @@ class _Generator:
         return "".join(out)
 
     def render_member(self, cls: type, m: _Member) -> str:
+        try:
+            return self._render_member(cls, m)
+        except GenError as exc:
+            raise GenError(f"{cls.__module__}.{cls.__qualname__}.{m.name}: {exc}") from None
+
+    def _render_member(self, cls: type, m: _Member) -> str:
         ret, conv = self.ann(m.returns, m.module, cls)
         if m.kind in ("property", "attribute"):
             body = _returning(f"self._obj.{m.name}", conv)
@@ -504,7 +508,7 @@ class _Generator:
         name = DUNDERS.get(m.name, m.name)
         if is_root and m.name in CLOSERS:
             if ret != "None":
-                raise GenError(f"{cls.__qualname__}.{m.name}: a closer must return None")
+                raise GenError("a closer must return None")
             body = (
                 "        if self._portal.closed:\n            return\n"
                 f"        try:\n            {value}\n"
@@ -531,10 +535,9 @@ class _Generator:
     ) -> tuple[str, str]:
         """The blocking parameter list and the arguments that forward it."""
         a = func.args
-        where = f"{mod.name}.{func.name}"
         positional = [*a.posonlyargs, *a.args]
         if not positional or positional[0].arg != "self":
-            raise GenError(f"{where}: a method's first parameter must be self")
+            raise GenError("a method's first parameter must be self")
         defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults))
         defaults += a.defaults
         params: list[str] = ["self"]
@@ -542,10 +545,10 @@ class _Generator:
 
         def one(arg: ast.arg, default: ast.expr | None, star: str = "") -> str:
             if arg.annotation is None:
-                raise GenError(f"{where}: annotate the parameter {arg.arg!r}")
+                raise GenError(f"annotate the parameter {arg.arg!r}")
             text, conv = self.ann(arg.annotation, mod, own, param=True)
             if conv is not None and star:
-                raise GenError(f"{where}: handles in *{arg.arg} are not mapped")
+                raise GenError(f"handles in *{arg.arg} are not mapped")
             value = conv(arg.arg, 0) if conv else arg.arg
             piece = f"{star}{arg.arg}: {text}"
             if default is not None:
@@ -575,7 +578,7 @@ class _Generator:
         imports += [_import(local, src) for local, src in sorted(self.runtime_imports.items())]
         typing_only = sorted(self.typing_imports.items() - self.runtime_imports.items())
         lines = [
-            '"""The blocking SDK: ``Client`` and one blocking class per async handle.\n\n'
+            f'"""The blocking SDK: ``{self.root_name}`` and one blocking class per async handle.\n\n'
             "Generated by ``python -m corral.sdk._gen_sync`` (``make gen``) from the async\n"
             "handles; do not edit. Each method forwards to its async twin on the client's\n"
             'portal (see ``_sync.py``).\n"""\n',
@@ -640,9 +643,12 @@ def _ruff(*args: str, source: str) -> str:
     return done.stdout
 
 
-def render() -> str:
-    """The text ``_sync_gen.py`` should have now (imports sorted, formatted)."""
-    raw = _Generator().render()
+def render(root: tuple[str, str] = ROOT, root_name: str = ROOT_SYNC_NAME) -> str:
+    """The text ``_sync_gen.py`` should have now (imports sorted, formatted).
+
+    ``root``/``root_name``: another async root class (module, name) and its blocking
+    name; tests generate from small async classes of their own with it."""
+    raw = _Generator(root, root_name).render()
     return _ruff("format", source=_ruff("check", "--select", "I", "--fix", "-q", source=raw))
 
 
