@@ -235,8 +235,13 @@ def test_generated_iterators_context_managers_and_parameters(demo_package: Path)
             "syncgen_demo.bad.Root.get: annotate the parameter 'x'",
         ),
         (
-            "class Root:\n    async def pair(self) -> tuple[Root, Root]: ...\n",
-            "syncgen_demo.bad.Root.pair: handles inside tuple[Root, Root] are not mapped",
+            "class Item:\n    async def touch(self) -> None: ...\n\n"
+            "class Root:\n    async def pair(self) -> tuple[Item, Item]: ...\n",
+            "syncgen_demo.bad.Root.pair: handles inside tuple[Item, Item] are not mapped",
+        ),
+        (
+            "class Root:\n    async def clone(self) -> Root: ...\n",
+            "Root.clone: returns a Blocking other than itself",
         ),
         (
             "class Root:\n    def __init__(self) -> None:\n        self.x = 1 + 1\n"

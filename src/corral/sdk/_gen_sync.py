@@ -400,6 +400,11 @@ class _Generator:
             obj = own if full in SELF else _lookup(full or "", self.package, load=False)
             if isinstance(obj, type) and obj in self.handles:
                 name = self.handles[obj]
+                if obj is self.root and not param:
+                    raise GenError(
+                        f"returns a {name} other than itself: its blocking class owns the "
+                        "portal and cannot wrap another"
+                    )
                 if param:
                     return name, lambda v, d: f"{v}._obj"
                 return name, lambda v, d: f"{name}({v}, self._portal)"
@@ -485,6 +490,17 @@ class _Generator:
             raise GenError(f"{cls.__module__}.{cls.__qualname__}.{m.name}: {exc}") from None
 
     def _render_member(self, cls: type, m: _Member) -> str:
+        is_self = _returns_self(m, cls)
+        is_root = cls is self.root
+        if is_root and is_self and m.name in ("__aiter__", "__aenter__"):
+            # the root's blocking class owns the portal: it can only ever return itself
+            value = f"self._obj.{m.name}()"
+            if m.is_coroutine:
+                value = f"self._portal.call({value})"
+            name = DUNDERS[m.name]
+            return (
+                f"    def {name}(self) -> {self.root_name}:\n        {value}\n        return self\n"
+            )
         ret, conv = self.ann(m.returns, m.module, cls)
         if m.kind in ("property", "attribute"):
             body = _returning(f"self._obj.{m.name}", conv)
@@ -499,8 +515,6 @@ class _Generator:
                 "AbstractContextManager", ("contextlib", "AbstractContextManager"), False
             )
             conv = _adapter("context", conv, self.helpers)
-        is_self = _returns_self(m, cls)
-        is_root = cls is self.root
         if m.name == "__init__":
             self.helpers.add("_Portal")
             body = f"        super().__init__({cls.__name__}({forward}), _Portal())\n"
@@ -514,10 +528,13 @@ class _Generator:
                 f"        try:\n            {value}\n"
                 "        finally:\n            self._portal.stop()\n"
             )
-        elif m.name == "__aiter__" and is_self:
-            body = "        return self\n"
-        elif m.name == "__aenter__" and is_self:
-            body = f"        {value}\n        return self\n"
+        elif m.name in ("__aiter__", "__aenter__") and is_self and conv is not None:
+            # ``async with x as y``: y is usually x itself; keep that identity (and the
+            # blocking wrapper's) unless the async side entered into another object
+            body = (
+                f"        value = {value}\n"
+                f"        return self if value is self._obj else {conv('value', 0)}\n"
+            )
         elif m.name == "__anext__":
             body = (
                 f"        try:\n            value = {value}\n"

@@ -551,8 +551,8 @@ class BlockingSandbox(_Handle):
         return [BlockingSandbox(v0, self._portal) for v0 in value]
 
     def __enter__(self) -> BlockingSandbox:
-        self._portal.call(self._obj.__aenter__())
-        return self
+        value = self._portal.call(self._obj.__aenter__())
+        return self if value is self._obj else BlockingSandbox(value, self._portal)
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -656,7 +656,8 @@ class BlockingExecStream(_Handle):
         return self._obj.result
 
     def __iter__(self) -> BlockingExecStream:
-        return self
+        value = self._obj.__aiter__()
+        return self if value is self._obj else BlockingExecStream(value, self._portal)
 
     def __next__(self) -> ExecChunk:
         try:
@@ -669,8 +670,8 @@ class BlockingExecStream(_Handle):
         self._portal.call(self._obj.aclose())
 
     def __enter__(self) -> BlockingExecStream:
-        self._portal.call(self._obj.__aenter__())
-        return self
+        value = self._portal.call(self._obj.__aenter__())
+        return self if value is self._obj else BlockingExecStream(value, self._portal)
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -743,8 +744,8 @@ class BlockingShell(_Handle):
         self._portal.call(self._obj.close())
 
     def __enter__(self) -> BlockingShell:
-        self._portal.call(self._obj.__aenter__())
-        return self
+        value = self._portal.call(self._obj.__aenter__())
+        return self if value is self._obj else BlockingShell(value, self._portal)
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
