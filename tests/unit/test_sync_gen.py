@@ -106,7 +106,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
 
 class Root:
@@ -122,6 +122,12 @@ class Root:
 
     async def maybe(self, name: str | None = None) -> Item | None:
         return None if name is None else Item(self, name)
+
+    async def kind(self) -> Literal["a", "b"]:
+        return "a"
+
+    async def quoted(self, name: str) -> "list[Item]":
+        return [Item(self, name)]
 
     async def items(self, *names: str) -> list[Item]:
         return [Item(self, n) for n in names]
@@ -205,6 +211,8 @@ def test_generated_iterators_context_managers_and_parameters(demo_package: Path)
         assert list(item) == ["a", "b"]  # __aiter__/__anext__ -> __iter__/__next__
         assert root.maybe() is None and root.maybe("c").name == "c"
         assert [i.name for i in root.items("d", "e")] == ["d", "e"]
+        assert root.kind() == "a"
+        assert isinstance(root.quoted("q")[0], blocking.BlockingItem)
         assert list(root.count(3)) == [0, 1, 2]
         assert [i.name for i in root.stream(2)] == ["x0", "x1"]
         for i in root.count(5):
