@@ -44,7 +44,7 @@ def test_every_async_member_has_a_blocking_twin() -> None:
     assert set(gen.handles.values()) == set(sync_gen.__all__)
     for async_cls, name in gen.handles.items():
         blocking = getattr(sync_gen, name)
-        for member in gen.members(async_cls):
+        for member in gen.source.members(async_cls):
             twin = DUNDERS.get(member.name, member.name)
             assert twin in vars(blocking), f"{name} lacks {twin} ({async_cls.__name__})"
         # a proxy would hide every type from mypy and IDEs

@@ -29,19 +29,26 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import difflib
-import enum
 import importlib
 import inspect
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
+from corral.sdk._gen_sync_source import (
+    DUNDERS,
+    LITERALS,
+    SELF,
+    GenError,
+    Member,
+    Module,
+    Source,
+    lookup,
+    returns_self,
+)
 
 __all__ = ["GenError", "OUTPUT", "render", "main"]
 
@@ -57,129 +64,12 @@ ASYNC_ITER = {
 ASYNC_CM = {"typing.AsyncContextManager", "contextlib.AbstractAsyncContextManager"}
 AWAITABLE = {f"{m}.{n}" for m in ("typing", "collections.abc") for n in ("Awaitable", "Coroutine")}
 LISTS = {"builtins.list", "typing.List", "typing.Sequence", "collections.abc.Sequence"}
-SELF = {"typing.Self", "typing_extensions.Self"}
-LITERALS = {"typing.Literal", "typing_extensions.Literal"}
-DUNDERS = {"__aenter__": "__enter__", "__aexit__": "__exit__"}
-DUNDERS |= {"__aiter__": "__iter__", "__anext__": "__next__"}
 # On the root, these end the client: the portal's loop stops once they return.
 CLOSERS = ("close", "__aexit__")
 
 # A conversion turns an expression of the async value into one of the blocking value;
 # ``depth`` keeps the names of nested comprehension/lambda variables apart. None: as is.
 Conv = Callable[[str, int], str] | None
-
-
-class GenError(Exception):
-    """The async API has a shape the generator cannot mirror; the message names it."""
-
-
-class _Module:
-    """One module's source: its top-level classes and what each name in it refers to."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.source = inspect.getsource(importlib.import_module(name))
-        self.tree = ast.parse(self.source)
-        # local name -> (module, attribute or None for ``import module``)
-        self.names: dict[str, tuple[str, str | None]] = {}
-        self.classes: dict[str, ast.ClassDef] = {}
-        for node in _top_level(self.tree.body):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for a in node.names:
-                    self.names[a.asname or a.name] = (node.module, a.name)
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.asname:
-                        self.names[a.asname] = (a.name, None)
-                    else:  # ``import a.b`` binds ``a``; ``a.b.X`` is then spelled in full
-                        root = a.name.partition(".")[0]
-                        self.names[root] = (root, None)
-            elif isinstance(node, ast.ClassDef):
-                self.classes[node.name] = node
-                self.names[node.name] = (name, node.name)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.names[node.name] = (name, node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for t in targets:
-                    if isinstance(t, ast.Name):
-                        self.names[t.id] = (name, t.id)
-
-    def source_of(self, local: str) -> tuple[str, str | None]:
-        if local in self.names:
-            return self.names[local]
-        if hasattr(builtins, local):
-            return ("builtins", local)
-        raise GenError(f"{self.name}: cannot tell what the name {local!r} refers to")
-
-    def fullname(self, node: ast.expr) -> str | None:
-        """Dotted name of a Name/Attribute chain (``builtins.list``), None for other nodes."""
-        parts: list[str] = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        if not isinstance(node, ast.Name):
-            return None
-        module, attr = self.source_of(node.id)
-        head = module if attr is None else f"{module}.{attr}"
-        return ".".join([head, *reversed(parts)])
-
-
-def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Module statements, including those under ``if TYPE_CHECKING:`` and ``try:``."""
-    for node in body:
-        if isinstance(node, ast.If):
-            yield from _top_level(node.body)
-            yield from _top_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            yield from _top_level(node.body)
-        else:
-            yield node
-
-
-@dataclass
-class _Member:
-    """One public member of an async handle, as the source declares it."""
-
-    name: str
-    kind: str  # "method", "property" or "attribute"
-    module: _Module  # where its annotations are resolved
-    returns: ast.expr
-    func: ast.FunctionDef | ast.AsyncFunctionDef | None = None
-    doc: str | None = None
-    is_coroutine: bool = False
-    is_acm: bool = False  # @asynccontextmanager: returns an async context manager
-
-
-def _is_handle(obj: object, package: str) -> bool:
-    if not inspect.isclass(obj) or not obj.__module__.startswith(package):
-        return False
-    if issubclass(obj, (BaseModel, BaseException, enum.Enum)):
-        return False
-    for klass in obj.__mro__:
-        for name, value in vars(klass).items():
-            if name in DUNDERS:
-                return True
-            if inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
-                return True
-    return False
-
-
-def _lookup(fullname: str, package: str, load: bool = True) -> object:
-    """The object a dotted name refers to, for the package's own names only (else None).
-
-    ``load=False`` looks only into modules already imported: enough to tell whether a
-    parameter's type is a handle (handles were imported while discovering them), without
-    importing, say, the whole embedded node for ``NodeConfig``."""
-    if not fullname.startswith(package):
-        return None
-    module, _, attr = fullname.rpartition(".")
-    if not load:
-        return getattr(sys.modules.get(module), attr, None)
-    try:
-        return getattr(importlib.import_module(module), attr, None)
-    except ImportError:
-        return None
 
 
 def _sync_name(cls: type) -> str:
@@ -203,160 +93,28 @@ def _doc(text: str | None, indent: str, head: str = "") -> str:
 
 
 class _Generator:
-    """Walks the handles from the root and renders one blocking class for each."""
+    """Renders one blocking class for each handle that ``Source`` finds."""
 
     def __init__(self, root: tuple[str, str] = ROOT, root_name: str = ROOT_SYNC_NAME) -> None:
-        self.modules: dict[str, _Module] = {}
+        self.root: type = getattr(importlib.import_module(root[0]), root[1])
+        self.root_name = root_name
+        self.source = Source(self.root)
+        self.package = self.source.package
         self.handles: dict[type, str] = {}  # async class -> blocking class name
-        self.order: list[type] = []
         self.typing_imports: dict[str, tuple[str, str | None]] = {}
         self.runtime_imports: dict[str, tuple[str, str | None]] = {}
         self.helpers: set[str] = {"_Handle"}
-        self.root: type = getattr(importlib.import_module(root[0]), root[1])
-        self.root_name = root_name
-        # handles are the root package's own classes (``corral.``), never a library's
-        self.package = root[0].partition(".")[0] + "."
 
-    def module(self, name: str) -> _Module:
-        if name not in self.modules:
-            self.modules[name] = _Module(name)
-        return self.modules[name]
-
-    # ------------------------------------------------------------------ discovery
     def discover(self) -> None:
-        """Find every handle reachable from the root through returns and attributes."""
-        self.add(self.root)
-        i = 0
-        while i < len(self.order):
-            cls = self.order[i]
-            i += 1
-            for m in self.members(cls):
-                for node in _names(m.returns, m.module):
-                    full = m.module.fullname(node)
-                    obj = _lookup(full, self.package) if full else None
-                    if _is_handle(obj, self.package):
-                        assert isinstance(obj, type)
-                        self.add(obj)
-
-    def add(self, cls: type) -> None:
-        if cls not in self.handles:
+        """Name the blocking class of every handle (``AsyncX`` -> ``X``, else ``BlockingX``)."""
+        for cls in self.source.handles():
             name = self.root_name if cls is self.root else _sync_name(cls)
             if name in self.handles.values():
                 raise GenError(f"two handles map to the blocking name {name}: rename one")
             self.handles[cls] = name
-            self.order.append(cls)
-
-    def members(self, cls: type) -> list[_Member]:
-        """Public members in source order; a subclass's definition wins over its base's."""
-        found: dict[str, _Member] = {}
-        for klass in reversed(cls.__mro__):
-            if not klass.__module__.startswith(self.package):
-                continue  # object, Protocol, Generic: not part of the API
-            mod = self.module(klass.__module__)
-            cdef = mod.classes.get(klass.__qualname__)
-            if cdef is None:
-                raise GenError(f"{klass.__qualname__}: not a top-level class of {mod.name}")
-            for m in self._class_members(klass, cdef, mod):
-                found[m.name] = m
-        return list(found.values())
-
-    def _class_members(self, klass: type, cdef: ast.ClassDef, mod: _Module) -> Iterator[_Member]:
-        where = f"{klass.__module__}.{klass.__qualname__}"
-        defs: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
-        for stmt in cdef.body:
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                defs.setdefault(stmt.name, []).append(stmt)
-        for stmt in cdef.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                if _public(stmt.target.id):
-                    yield _Member(stmt.target.id, "attribute", mod, stmt.annotation)
-            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if stmt is not defs[stmt.name][-1]:
-                continue  # an earlier definition of a name redefined below
-            name = stmt.name
-            if name == "__init__":
-                if klass is self.root:
-                    yield _Member(name, "method", mod, ast.Constant(None), func=stmt)
-                yield from self._init_attributes(klass, stmt, mod)
-                continue
-            if not (_public(name) or name in DUNDERS):
-                continue
-            if len(defs[name]) > 1:
-                raise GenError(f"{where}.{name}: overloads are not mirrored; use one signature")
-            value = vars(klass)[name]
-            if isinstance(value, (staticmethod, classmethod)):
-                raise GenError(
-                    f"{where}.{name}: a public {type(value).__name__} has no blocking twin "
-                    "(it has no portal); make it a method of a handle or teach _gen_sync"
-                )
-            if stmt.returns is None:
-                raise GenError(f"{where}.{name}: annotate its return type")
-            doc = ast.get_docstring(stmt)
-            if isinstance(value, property):
-                yield _Member(name, "property", mod, stmt.returns, func=stmt, doc=doc)
-                continue
-            if not callable(value):
-                raise GenError(f"{where}.{name}: {type(value).__name__} members are not mirrored")
-            acm = any(
-                (mod.fullname(d) or "").endswith("asynccontextmanager") for d in stmt.decorator_list
-            )
-            returns = stmt.returns
-            if acm:
-                if not (isinstance(returns, ast.Subscript) and mod.fullname(returns.value)):
-                    raise GenError(f"{where}.{name}: annotate it as AsyncIterator[T]")
-                returns = returns.slice
-            yield _Member(
-                name,
-                "method",
-                mod,
-                returns,
-                func=stmt,
-                doc=doc,
-                is_coroutine=inspect.iscoroutinefunction(value),
-                is_acm=acm,
-            )
-
-    def _init_attributes(
-        self, klass: type, init: ast.FunctionDef | ast.AsyncFunctionDef, mod: _Module
-    ) -> Iterator[_Member]:
-        """Public attributes set in ``__init__`` (``self.images = Images(self)``)."""
-        body = init.body
-        for i, stmt in enumerate(body):
-            target: ast.expr | None = None
-            ann: ast.expr | None = None
-            if isinstance(stmt, ast.AnnAssign):
-                target, ann = stmt.target, stmt.annotation
-            elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                target = stmt.targets[0]
-                if isinstance(stmt.value, ast.Call) and isinstance(
-                    stmt.value.func, (ast.Name, ast.Attribute)
-                ):
-                    ann = stmt.value.func
-            if not (
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-                and _public(target.attr)
-            ):
-                continue
-            if ann is None:
-                raise GenError(
-                    f"{klass.__qualname__}.{target.attr}: annotate this public attribute "
-                    "(self.x: T = ...) so its blocking property has a type"
-                )
-            doc = None
-            nxt = body[i + 1] if i + 1 < len(body) else None
-            if (
-                isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                doc = inspect.cleandoc(nxt.value.value)
-            yield _Member(target.attr, "attribute", mod, ann, doc=doc)
 
     # ------------------------------------------------------------------ names
-    def use(self, node: ast.expr, mod: _Module, runtime: bool = False) -> str:
+    def use(self, node: ast.expr, mod: Module, runtime: bool = False) -> str:
         """Source text of a name of ``mod``, imported into the generated module."""
         root = node
         while isinstance(root, ast.Attribute):
@@ -379,7 +137,7 @@ class _Generator:
                 )
         (self.runtime_imports if runtime else self.typing_imports)[local] = source
 
-    def names_in(self, node: ast.expr, mod: _Module) -> str:
+    def names_in(self, node: ast.expr, mod: Module) -> str:
         """Source text of a default value, as written (``0o644``, not ``420``); the names
         it uses are imported at run time."""
         for sub in ast.walk(node):
@@ -388,7 +146,7 @@ class _Generator:
         return ast.get_source_segment(mod.source, node) or ast.unparse(node)
 
     # ------------------------------------------------------------------ annotations
-    def ann(self, node: ast.expr, mod: _Module, own: type, param: bool = False) -> tuple[str, Conv]:
+    def ann(self, node: ast.expr, mod: Module, own: type, param: bool = False) -> tuple[str, Conv]:
         """The blocking annotation of an async one, and how to convert a value of it.
 
         ``param``: a parameter's annotation, whose handles are unwrapped (``x._obj``)
@@ -401,7 +159,7 @@ class _Generator:
             return ast.unparse(node), None
         if isinstance(node, (ast.Name, ast.Attribute)):
             full = mod.fullname(node)
-            obj = own if full in SELF else _lookup(full or "", self.package, load=False)
+            obj = own if full in SELF else lookup(full or "", self.package, load=False)
             if isinstance(obj, type) and obj in self.handles:
                 name = self.handles[obj]
                 if obj is self.root and not param:
@@ -427,7 +185,7 @@ class _Generator:
         raise GenError(f"cannot map the annotation {ast.unparse(node)!r}")
 
     def subscript(
-        self, node: ast.Subscript, mod: _Module, own: type, param: bool
+        self, node: ast.Subscript, mod: Module, own: type, param: bool
     ) -> tuple[str, Conv]:
         base = mod.fullname(node.value) or ""
         args = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
@@ -460,7 +218,7 @@ class _Generator:
         raise GenError(f"handles inside {ast.unparse(node)} are not mapped")
 
     def union(
-        self, members: list[ast.expr], mod: _Module, own: type, param: bool
+        self, members: list[ast.expr], mod: Module, own: type, param: bool
     ) -> tuple[str, Conv]:
         parts = [self.ann(m, mod, own, param) for m in members]
         text = " | ".join(t for t, _ in parts)
@@ -482,19 +240,19 @@ class _Generator:
         head = f"Blocking ``{cls.__module__}.{cls.__qualname__}``: the same API, no ``await``."
         out.append(_doc(inspect.getdoc(cls), "    ", head=head))
         out.append(f"\n    __slots__ = ()\n    _obj: {cls.__name__}\n")
-        for m in self.members(cls):
+        for m in self.source.members(cls):
             out.append("\n")
             out.append(self.render_member(cls, m))
         return "".join(out)
 
-    def render_member(self, cls: type, m: _Member) -> str:
+    def render_member(self, cls: type, m: Member) -> str:
         try:
             return self._render_member(cls, m)
         except GenError as exc:
             raise GenError(f"{cls.__module__}.{cls.__qualname__}.{m.name}: {exc}") from None
 
-    def _render_member(self, cls: type, m: _Member) -> str:
-        is_self = _returns_self(m, cls)
+    def _render_member(self, cls: type, m: Member) -> str:
+        is_self = returns_self(m, cls)
         is_root = cls is self.root
         if is_root and is_self and m.name in ("__aiter__", "__aenter__"):
             # the root's blocking class owns the portal: it can only ever return itself
@@ -552,7 +310,7 @@ class _Generator:
         return f"    def {name}({args}) -> {ret}:\n{_doc(m.doc, ' ' * 8)}{body}"
 
     def signature(
-        self, func: ast.FunctionDef | ast.AsyncFunctionDef, mod: _Module, own: type
+        self, func: ast.FunctionDef | ast.AsyncFunctionDef, mod: Module, own: type
     ) -> tuple[str, str]:
         """The blocking parameter list and the arguments that forward it."""
         a = func.args
@@ -593,7 +351,7 @@ class _Generator:
 
     def render(self) -> str:
         self.discover()
-        classes = [self.render_class(cls) for cls in self.order]
+        classes = [self.render_class(cls) for cls in self.handles]
         imports = ["from __future__ import annotations", "from typing import TYPE_CHECKING"]
         imports.append(f"from corral.sdk._sync import {', '.join(sorted(self.helpers))}")
         imports += [_import(local, src) for local, src in sorted(self.runtime_imports.items())]
@@ -606,41 +364,15 @@ class _Generator:
             "\n".join(imports),
             "\nif TYPE_CHECKING:\n",
             "\n".join("    " + _import(local, src) for local, src in typing_only) or "    pass",
-            "\n\n__all__ = [" + ", ".join(f'"{self.handles[c]}"' for c in self.order) + "]\n",
+            "\n\n__all__ = [" + ", ".join(f'"{name}"' for name in self.handles.values()) + "]\n",
         ]
         return "\n".join(lines) + "\n\n" + "\n\n".join(classes)
-
-
-def _public(name: str) -> bool:
-    return not name.startswith("_")
-
-
-def _names(node: ast.expr, mod: _Module) -> Iterator[ast.expr]:
-    """The names (Name/Attribute nodes) of an annotation, quoted parts included, the
-    strings of a ``Literal[...]`` excluded (the same reading as ``_Generator.ann``)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        yield from _names(ast.parse(node.value, mode="eval").body, mod)
-    elif isinstance(node, (ast.Name, ast.Attribute)):
-        yield node
-    elif isinstance(node, ast.Subscript):
-        yield from _names(node.value, mod)
-        if mod.fullname(node.value) not in LITERALS:
-            yield from _names(node.slice, mod)
-    else:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.expr):
-                yield from _names(child, mod)
 
 
 def _flatten_union(node: ast.expr) -> list[ast.expr]:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
         return _flatten_union(node.left) + _flatten_union(node.right)
     return [node]
-
-
-def _returns_self(m: _Member, cls: type) -> bool:
-    full = m.module.fullname(m.returns) if isinstance(m.returns, ast.Name) else None
-    return full in SELF or full == f"{cls.__module__}.{cls.__name__}"
 
 
 def _adapter(method: str, item: Conv, helpers: set[str]) -> Conv:
