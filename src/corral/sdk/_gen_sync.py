@@ -22,7 +22,11 @@ return annotation, a property or a public attribute that has async methods (or
 A shape it cannot mirror faithfully (an unannotated method, a public classmethod, a tuple
 of handles) raises ``GenError`` naming the member, so the blocking API never silently
 degrades to ``Any``. The output goes through ``ruff`` (import sort, format) so it passes
-``make lint`` as written.
+``make lint`` as written. Reading the async source is ``_gen_sync_source.py``.
+
+At run time the generated module imports only ``AsyncClient`` and ``_sync``'s helpers
+(every other name is for mypy, under ``TYPE_CHECKING``), so a stale file never breaks
+``import corral``, and with it this generator, after an async handle is renamed.
 """
 
 from __future__ import annotations
