@@ -216,7 +216,7 @@ def test_generated_iterators_context_managers_and_parameters(demo_package: Path)
         assert list(root.count(3)) == [0, 1, 2]
         assert [i.name for i in root.stream(2)] == ["x0", "x1"]
         for i in root.count(5):
-            break  # leaving early closes the async generator, as `async for` would
+            break  # leaving early closes the async generator at once
         assert async_root.log[-1] == "count closed"
         with root.opened("f") as f:
             assert isinstance(f, blocking.BlockingItem) and f.name == "f"

@@ -67,7 +67,8 @@ class _Portal:
 
     def iterate(self, items: AsyncIterable[T], convert: Callable[[T], U]) -> Iterator[U]:
         """``for`` over an async iterable; each item passes through ``convert``. Leaving
-        the loop early closes the async iterator (on the portal), as ``async for`` would."""
+        the loop (early or at the end) closes the async iterator on the portal at once, so
+        its cleanup does not wait for the loop's garbage collection of it."""
         it = aiter(items)
 
         async def step() -> T:
