@@ -6,7 +6,7 @@ APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftable
                 busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint deps venv bench clean-node
+.PHONY: demo test lint gen deps venv bench clean-node
 
 demo: venv
 	$(VENV)/bin/corral demo
@@ -18,6 +18,10 @@ lint: venv
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 	$(VENV)/bin/mypy src/corral
+
+# Regenerate the blocking SDK (src/corral/sdk/_sync_gen.py) from the async handles.
+gen: venv
+	$(PY) -m corral.sdk._gen_sync
 
 deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

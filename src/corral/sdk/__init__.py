@@ -9,7 +9,7 @@ Example:
 
 from corral.sdk._client import AsyncClient, Images, Sandboxes
 from corral.sdk._sandbox import ExecStream, Files, Process, Sandbox, Shell
-from corral.sdk._sync import Client
+from corral.sdk._sync_gen import Client
 
 __all__ = [
     "AsyncClient",

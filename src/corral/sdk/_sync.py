@@ -1,49 +1,39 @@
-"""``Client``: the blocking SDK, generated from the async one at run time.
+"""Run-time pieces of the blocking SDK; the classes themselves are generated.
 
-A ``_Portal`` runs a private event loop in a background thread. ``_Blocking`` wraps any
-async handle: coroutine methods become blocking calls, ``async with`` becomes ``with``,
-``async for`` becomes ``for``, and handles returned by a call are wrapped in turn. There
-is no second implementation to keep in step; the async code is the only code.
+``corral.Client`` and its handles live in ``_sync_gen.py``, written by ``_gen_sync.py``
+from the async handles (``make gen``). Each generated method only forwards: it calls the
+async method, runs the coroutine on a ``_Portal`` and wraps any async handle it returns in
+its blocking class. This module holds what those methods share:
+
+- ``_Portal``: one private event loop on a daemon thread per ``Client``; every blocking
+  call of the client and of the handles it returned runs there, so async state (HTTP
+  connection pools, the embedded node, locks) stays on the one loop it was made on.
+- ``_Handle``: the base of every blocking class (the async object and the portal).
+- ``_Portal.iterate`` / ``_Portal.context``: ``async for`` and ``async with`` turned into
+  ``for`` and ``with``.
+
+There is no second implementation to keep in step: logic lives once, in the async code.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-from corral.ops import NodeOps
-from corral.sdk._client import AsyncClient, Images, Sandboxes
-from corral.sdk._fncall import FnCall
-from corral.sdk._network import Network
-from corral.sdk._sandbox import ExecStream, Files, Process, Sandbox, Shell
-
-if TYPE_CHECKING:
-    from corral.node import NodeConfig
-
-__all__ = ["Client"]
+__all__ = ["_Handle", "_Portal", "_same"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
-# Types whose instances are wrapped rather than returned as they are (models, bytes and
-# other plain values pass through unchanged).
-_HANDLES = (
-    AsyncClient,
-    Images,
-    Sandboxes,
-    Sandbox,
-    ExecStream,
-    Process,
-    Shell,
-    Files,
-    Network,
-    FnCall,
-)
+
+def _same(value: T) -> T:
+    """The identity conversion, for items that need no blocking wrapper."""
+    return value
 
 
 class _Portal:
@@ -75,6 +65,33 @@ class _Portal:
             fut.cancel()
             raise
 
+    def iterate(self, items: AsyncIterable[T], convert: Callable[[T], U]) -> Iterator[U]:
+        """``for`` over an async iterable; each item passes through ``convert``. Leaving
+        the loop (early or at the end) closes the async iterator on the portal at once, so
+        its cleanup does not wait for the loop's garbage collection of it."""
+        it = aiter(items)
+
+        async def step() -> T:
+            return await anext(it)
+
+        try:
+            while True:
+                try:
+                    item = self.call(step())
+                except StopAsyncIteration:
+                    return
+                yield convert(item)
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None and not self.closed:
+                self.call(aclose())
+
+    def context(
+        self, manager: AbstractAsyncContextManager[T], convert: Callable[[T], U]
+    ) -> _Context[T, U]:
+        """``with`` over an async context manager; what it yields passes through ``convert``."""
+        return _Context(self, manager, convert)
+
     def stop(self) -> None:
         if self._loop.is_closed():
             return
@@ -84,108 +101,47 @@ class _Portal:
         self._loop.close()
 
 
-class _Blocking:
-    """Blocking view of one async handle."""
+class _Context(Generic[T, U]):
+    """A blocking context manager over an async one (see ``_Portal.context``)."""
+
+    __slots__ = ("_portal", "_manager", "_convert")
+
+    def __init__(
+        self, portal: _Portal, manager: AbstractAsyncContextManager[T], convert: Callable[[T], U]
+    ) -> None:
+        self._portal, self._manager, self._convert = portal, manager, convert
+
+    def __enter__(self) -> U:
+        async def enter() -> T:
+            return await self._manager.__aenter__()
+
+        return self._convert(self._portal.call(enter()))
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        async def exit_() -> bool | None:
+            return await self._manager.__aexit__(et, ev, tb)
+
+        return self._portal.call(exit_())
+
+
+class _Handle:
+    """Base of the generated blocking classes: the async object and the portal it runs on.
+
+    Built by the client and the handles it returns, never by hand: a blocking handle
+    must share its client's portal, or its calls would run on a loop its connections do
+    not belong to. Each generated class narrows ``_obj`` to its async class, so mypy
+    checks every forwarding call against the async signature.
+    """
 
     __slots__ = ("_obj", "_portal")
+
+    _obj: Any
 
     def __init__(self, obj: Any, portal: _Portal) -> None:
         self._obj = obj
         self._portal = portal
 
-    def _wrap(self, value: Any) -> Any:
-        if isinstance(value, _HANDLES):
-            return _Blocking(value, self._portal)
-        if isinstance(value, list) and any(isinstance(v, _HANDLES) for v in value):
-            return [self._wrap(v) for v in value]
-        return value
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _Blocking.__slots__:
-            raise AttributeError(name)  # half-built proxy: do not recurse
-        attr = getattr(self._obj, name)
-        if inspect.iscoroutinefunction(attr):
-
-            @functools.wraps(attr)
-            def blocking(*args: Any, **kwargs: Any) -> Any:
-                return self._wrap(self._portal.call(attr(*args, **kwargs)))
-
-            return blocking
-        if inspect.ismethod(attr):
-
-            @functools.wraps(attr)
-            def plain(*args: Any, **kwargs: Any) -> Any:
-                return self._wrap(attr(*args, **kwargs))
-
-            return plain
-        return self._wrap(attr)
-
-    def __dir__(self) -> list[str]:
-        return dir(self._obj)
-
     def __repr__(self) -> str:
         return f"<blocking {self._obj!r}>"
-
-    def __enter__(self) -> Any:
-        enter = getattr(self._obj, "__aenter__", None)
-        if enter is None:
-            raise TypeError(f"{type(self._obj).__name__} is not a context manager")
-        value = self._portal.call(enter())
-        return self if value is self._obj else self._wrap(value)
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        return self._portal.call(self._obj.__aexit__(et, ev, tb))  # type: ignore[no-any-return]
-
-    def __iter__(self) -> _Blocking:
-        if not hasattr(self._obj, "__anext__"):
-            raise TypeError(f"{type(self._obj).__name__} is not iterable")
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return self._wrap(self._portal.call(self._obj.__anext__()))
-        except StopAsyncIteration:
-            raise StopIteration from None
-
-
-class Client(_Blocking):
-    """Blocking client; the same API as ``AsyncClient`` without ``await``.
-
-    Example:
-        >>> with corral.Client() as client:                                    # doctest: +SKIP
-        ...     sb = client.sandboxes.create(image="demo/python")
-        ...     print(sb.exec("echo hi").stdout)
-        ...     with sb.shell() as sh:
-        ...         sh.run("cd /work && export X=1")
-        ...     sb.destroy()
-    """
-
-    __slots__ = ()
-
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        token: str | None = None,
-        config: NodeConfig | None = None,
-        ops: NodeOps | None = None,
-        own_ops: bool = False,
-    ) -> None:
-        client = AsyncClient(target, token=token, config=config, ops=ops, own_ops=own_ops)
-        super().__init__(client, _Portal())
-
-    def close(self) -> None:
-        """Close the underlying client, then stop the background loop."""
-        if self._portal.closed:
-            return
-        try:
-            self._portal.call(self._obj.close())
-        finally:
-            self._portal.stop()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
