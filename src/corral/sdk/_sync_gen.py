@@ -118,14 +118,20 @@ class Client(_Handle):
     def events(
         self,
         sandbox_id: str | None = None,
-        since_id: int = 0,
+        after: str | None = None,
         labels: Mapping[str, str] | None = None,
         kinds: Sequence[str] | None = None,
+        limit: int = 1000,
     ) -> builtins.list[Event]:
-        """Lifecycle and security events with ids above ``since_id``, oldest first;
-        ``kinds`` keeps only those kinds (e.g. ``["seccomp", "pids_limit"]``).
+        """Lifecycle and security events after the cursor ``after`` (None: from the
+        start), oldest first, at most ``limit`` (1 to 10000); ``kinds`` keeps only those
+        kinds (e.g. ``["seccomp", "pids_limit"]``). Page on with the last event's cursor.
+
+        Example:
+            >>> evs = client.events(labels={"job": "rl-42"})        # doctest: +SKIP
+            >>> more = client.events(after=evs[-1].cursor)          # doctest: +SKIP
         """
-        return self._portal.call(self._obj.events(sandbox_id, since_id, labels, kinds))
+        return self._portal.call(self._obj.events(sandbox_id, after, labels, kinds, limit))
 
     def events_summary(
         self,
@@ -228,11 +234,13 @@ class BlockingSandboxes(_Handle):
         idle_pause: float | None = None,
         qos: str | None = None,
         network: NetworkPolicy | Mapping[str, Any] | None = None,
+        backend: str | None = None,
     ) -> BlockingSandbox:
         """Create a sandbox and wait until it runs.
 
         An ``ImageInfo`` is pinned by digest, so every sandbox of a run gets the same
-        layers even if the name is recomposed meanwhile. None means the spec's default.
+        layers even if the name is recomposed meanwhile. None means the spec's default
+        (for ``backend``: the node's default isolation engine, ``container``).
         """
         value = self._portal.call(
             self._obj.create(
@@ -247,6 +255,7 @@ class BlockingSandboxes(_Handle):
                 idle_pause=idle_pause,
                 qos=qos,
                 network=network,
+                backend=backend,
             )
         )
         return BlockingSandbox(value, self._portal)
@@ -489,9 +498,13 @@ class BlockingSandbox(_Handle):
         value = self._portal.call(self._obj.shell(cwd, env))
         return BlockingShell(value, self._portal)
 
-    def events(self, kinds: Sequence[str] | None = None) -> builtins.list[Event]:
-        """This sandbox's lifecycle and security events, oldest first (only ``kinds``)."""
-        return self._portal.call(self._obj.events(kinds))
+    def events(
+        self, kinds: Sequence[str] | None = None, after: str | None = None, limit: int = 1000
+    ) -> builtins.list[Event]:
+        """This sandbox's lifecycle and security events, oldest first (only ``kinds``),
+        after the cursor ``after``, at most ``limit``; page on with the last one's cursor.
+        """
+        return self._portal.call(self._obj.events(kinds, after, limit))
 
     def destroy(self) -> None:
         self._portal.call(self._obj.destroy())
