@@ -64,7 +64,7 @@ class BenchOptions:
                 "run_dir": self.run_dir,
                 "store": self.store,
                 "cgroup_subtree": self.subtree,
-                "runtime": self.runtime,
+                "backends": [{"kind": "container", "runtime": self.runtime}],
                 "max_sandboxes": max(4096, count + 16),
             }
         )
