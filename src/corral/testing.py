@@ -613,6 +613,7 @@ class FakeNode(NodeOps):
             req.cols,
             {**sb.info.spec.env, "TERM": "xterm-256color", **req.env},
             self._next_pid,
+            cwd=req.cwd or sb.info.spec.workdir,
         )
 
     # ------------------------------------------------------- events and node
@@ -947,13 +948,15 @@ class FakePty:
         cols: int,
         env: dict[str, str],
         pid: int,
+        *,
+        cwd: str,
     ) -> None:
         self._node, self._sb, self.cmd = node, sb, cmd
         self.rows, self.cols = rows, cols
         self._pid = pid
         self.pid = 0
         """The command's pid, once entered."""
-        self._run = _Run(sb, env, sb.info.spec.workdir, None, None, self._emit)
+        self._run = _Run(sb, env, cwd, None, None, self._emit)
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._line = bytearray()
         self._code = 0
