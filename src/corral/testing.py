@@ -163,7 +163,7 @@ class FakeNode(NodeOps):
     ) -> None:
         if node_id is None:
             node_id = secrets.token_hex(6)
-        if not NODE_ID_RE.match(node_id):
+        if not NODE_ID_RE.fullmatch(node_id):
             raise ValueError(f"node id {node_id[:40]!r} must be 1-16 of [0-9a-z]")
         self.node_id = node_id
         now = time.time()
@@ -344,6 +344,11 @@ class FakeNode(NodeOps):
             spec = SandboxSpec.model_validate({**sb.info.spec.model_dump(), **over})
         except ValidationError as e:
             raise InvalidRequest(validation_message(e)) from None
+        if self.max_sandboxes and len(self._sandboxes) + req.count > self.max_sandboxes:
+            raise CapacityError(  # all or nothing: refuse before creating any child
+                f"node {self.node_id} is full: {len(self._sandboxes)} sandboxes + "
+                f"{req.count} children > max_sandboxes {self.max_sandboxes}"
+            )
         out = []
         for _ in range(req.count):
             info = await self.sandbox_create(spec)

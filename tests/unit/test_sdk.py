@@ -475,3 +475,19 @@ async def test_sandbox_pty(via: str, short_dir: Path) -> None:
         assert t.result is not None and (t.result.reason, t.result.exit_code) == ("exited", 3)
         with pytest.raises(corral.InvalidRequest, match="rows"):
             await sb.pty(rows=0)
+
+
+async def test_capacity_and_node_labels_in_status() -> None:
+    node = FakeNode(node_id="n1", max_sandboxes=2, labels={"pool": "onprem"})
+    async with corral.AsyncClient(ops=node) as client:
+        sb = await _sandbox(client)
+        with pytest.raises(corral.CapacityError, match="full"):
+            await sb.fork(2)  # all or nothing: no child is left
+        assert len(await client.sandboxes.list()) == 1
+        await _sandbox(client)
+        with pytest.raises(corral.CapacityError, match="n1 is full"):
+            await _sandbox(client)
+        st = await client.node_status()
+        assert (st.max_sandboxes, st.sandboxes, st.labels) == (2, 2, {"pool": "onprem"})
+    with pytest.raises(ValueError, match="node id"):
+        FakeNode(node_id="Not-An-Id")
