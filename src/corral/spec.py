@@ -89,7 +89,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 SANDBOX_ID_RE = re.compile(r"^sb-(?P<local>[0-9a-z]{12})-(?P<node>[0-9a-z]{1,16})$")
 """``sb-<local>-<node>``: the id names the node that runs the sandbox, so a cluster client
 routes per-sandbox operations by the id alone. Kernel names (veth, nft key, cgroup,
-subvolume) derive from the local part, which is unique on its host."""
+subvolume) derive from the local part, which is unique on its host. Match it with
+``fullmatch`` (or call :func:`parse_sandbox_id`): ``$`` also matches before a final newline."""
 NODE_ID_RE = re.compile(r"^[0-9a-z]{1,16}$")
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
@@ -101,7 +102,7 @@ def new_sandbox_id(node_id: str) -> str:
         >>> parse_sandbox_id(new_sandbox_id("a1b2c3"))[1]
         'a1b2c3'
     """
-    if not isinstance(node_id, str) or not NODE_ID_RE.match(node_id):
+    if not isinstance(node_id, str) or not NODE_ID_RE.fullmatch(node_id):
         raise ValueError(f"node id {str(node_id)[:40]!r} must be 1-16 of [0-9a-z]")
     local = "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
     return f"sb-{local}-{node_id}"
@@ -109,7 +110,7 @@ def new_sandbox_id(node_id: str) -> str:
 
 def parse_sandbox_id(sandbox_id: str) -> tuple[str, str]:
     """``(local, node)`` of a sandbox id; ValueError for anything that is not one."""
-    m = SANDBOX_ID_RE.match(sandbox_id) if isinstance(sandbox_id, str) else None
+    m = SANDBOX_ID_RE.fullmatch(sandbox_id) if isinstance(sandbox_id, str) else None
     if m is None:
         shown = (
             repr(sandbox_id) if len(str(sandbox_id)) <= 80 else repr(str(sandbox_id)[:80]) + "..."
@@ -170,7 +171,7 @@ def _check_positions(positions: dict[str, int]) -> None:
     if len(positions) > _CURSOR_MAX_NODES:
         raise ValueError(f"an events cursor holds at most {_CURSOR_MAX_NODES} nodes")
     for node, last in positions.items():
-        if not isinstance(node, str) or not NODE_ID_RE.match(node):
+        if not isinstance(node, str) or not NODE_ID_RE.fullmatch(node):
             raise ValueError(f"events cursor: node id {str(node)[:40]!r} is not 1-16 of [0-9a-z]")
         if not isinstance(last, int) or isinstance(last, bool) or last < 0:
             raise ValueError(

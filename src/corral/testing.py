@@ -178,7 +178,7 @@ class FakeNode(NodeOps):
     ) -> None:
         if node_id is None:
             node_id = secrets.token_hex(6)
-        if not NODE_ID_RE.match(node_id):
+        if not NODE_ID_RE.fullmatch(node_id):
             raise ValueError(f"node id {node_id[:40]!r} must be 1-16 of [0-9a-z]")
         self.node_id = node_id
         now = time.time()
@@ -359,6 +359,11 @@ class FakeNode(NodeOps):
             spec = SandboxSpec.model_validate({**sb.info.spec.model_dump(), **over})
         except ValidationError as e:
             raise InvalidRequest(validation_message(e)) from None
+        if self.max_sandboxes and len(self._sandboxes) + req.count > self.max_sandboxes:
+            raise CapacityError(  # all or nothing: refuse before creating any child
+                f"node {self.node_id} is full: {len(self._sandboxes)} sandboxes + "
+                f"{req.count} children > max_sandboxes {self.max_sandboxes}"
+            )
         out = []
         for _ in range(req.count):
             info = await self.sandbox_create(spec)
@@ -628,6 +633,7 @@ class FakeNode(NodeOps):
             req.cols,
             {**sb.info.spec.env, "TERM": "xterm-256color", **req.env},
             self._next_pid,
+            cwd=req.cwd or sb.info.spec.workdir,
         )
 
     # ------------------------------------------------------- events and node
@@ -962,13 +968,15 @@ class FakePty:
         cols: int,
         env: dict[str, str],
         pid: int,
+        *,
+        cwd: str,
     ) -> None:
         self._node, self._sb, self.cmd = node, sb, cmd
         self.rows, self.cols = rows, cols
         self._pid = pid
         self.pid = 0
         """The command's pid, once entered."""
-        self._run = _Run(sb, env, sb.info.spec.workdir, None, None, self._emit)
+        self._run = _Run(sb, env, cwd, None, None, self._emit)
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._line = bytearray()
         self._code = 0

@@ -67,6 +67,13 @@ async def test_run_and_exit_code(served: tuple[FakeNode, HTTPOps, str]) -> None:
     assert s.result is not None and (s.result.reason, s.result.exit_code) == ("exited", 3)
 
 
+async def test_cwd_reaches_the_terminal(served: tuple[FakeNode, HTTPOps, str]) -> None:
+    _, ops, sid = served
+    async with await ops.pty(sid, PtyRequest(cmd=["/bin/sh"], cwd="/tmp")) as s:
+        out = await _session(s, b"pwd\r", b"exit 0\r")
+    assert b"/tmp\r\n" in out
+
+
 async def test_resize_signal_eof(served: tuple[FakeNode, HTTPOps, str]) -> None:
     _, ops, sid = served
     async with await ops.pty(sid, SH) as s:

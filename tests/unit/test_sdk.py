@@ -3,6 +3,7 @@ in-process ASGI transport, and HTTP over a real uvicorn on a unix socket."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import tarfile
@@ -454,3 +455,39 @@ async def test_injected_ops_are_closed_only_when_owned() -> None:
     async with corral.AsyncClient(ops=node, own_ops=True):
         pass
     assert node.closes == 1
+
+
+@pytest.mark.parametrize("via", ["direct", "uds"])  # a pty is a websocket: no ASGI transport
+async def test_sandbox_pty(via: str, short_dir: Path) -> None:
+    node = FakeNode()
+    async with contextlib.AsyncExitStack() as stack:
+        if via == "direct":
+            client = await stack.enter_async_context(corral.AsyncClient(ops=node))
+        else:
+            srv = await stack.enter_async_context(NodeServer(node, uds=short_dir / "api.sock"))
+            client = await stack.enter_async_context(corral.AsyncClient(srv.address))
+        sb = await _sandbox(client, env={"WHO": "sdk"})
+        async with await sb.pty(rows=30, cols=100, env={"X": "1"}) as t:
+            assert t.cmd == ["/bin/sh"] and t.pid > 0 and t.result is None
+            await t.write(b"stty size\recho $WHO $X\rexit 3\r")
+            out = b"".join([d async for d in t])
+        assert b"30 100" in out and b"sdk 1" in out
+        assert t.result is not None and (t.result.reason, t.result.exit_code) == ("exited", 3)
+        with pytest.raises(corral.InvalidRequest, match="rows"):
+            await sb.pty(rows=0)
+
+
+async def test_capacity_and_node_labels_in_status() -> None:
+    node = FakeNode(node_id="n1", max_sandboxes=2, labels={"pool": "onprem"})
+    async with corral.AsyncClient(ops=node) as client:
+        sb = await _sandbox(client)
+        with pytest.raises(corral.CapacityError, match="full"):
+            await sb.fork(2)  # all or nothing: no child is left
+        assert len(await client.sandboxes.list()) == 1
+        await _sandbox(client)
+        with pytest.raises(corral.CapacityError, match="n1 is full"):
+            await _sandbox(client)
+        st = await client.node_status()
+        assert (st.max_sandboxes, st.sandboxes, st.labels) == (2, 2, {"pool": "onprem"})
+    with pytest.raises(ValueError, match="node id"):
+        FakeNode(node_id="Not-An-Id")

@@ -9,8 +9,8 @@ message, ``{"resize": [rows, cols]}``, ``{"signal": N}`` or ``{"eof": true}``.
 
 Frames, server → client: first a text ``{"started": {"pid": N, "cmd": [...]}}``; then
 binary = terminal output; at the end a text ``{"exit": <ExecResult>}`` (the JSON of
-:class:`corral.spec.ExecResult`, stdout/stderr empty) and a normal close (1000). When the terminal cannot be opened or a control message is
-wrong, a text ``{"error": {"kind", "message"}}`` is sent and the socket closes with code
+:class:`corral.spec.ExecResult`, stdout/stderr empty) and a normal close (1000). When the
+terminal cannot be opened or a control message is wrong, a text ``{"error": {"kind", "message"}}`` is sent and the socket closes with code
 4000 + the error's HTTP status (4404: no such sandbox, 4409: not running, 4400: bad
 request). A client that goes away ends the command: the init kills its process group.
 
@@ -109,7 +109,10 @@ async def _pump(ws: WebSocket, s: PtyStream) -> ExecResult | None:
             raise exc
         if outbound.result():
             if s.result is None:
-                raise CorralError(f"the terminal's output ended without an exit ({type(s)})")
+                raise CorralError(
+                    f"{type(s).__name__} ended the terminal's output without saying how its "
+                    "command ended (a PtyStream must set result before its iteration ends)"
+                )
             return s.result
         return None
     # inbound ended first: a bad control message (raise it) or the client left

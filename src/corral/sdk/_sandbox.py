@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from corral.errors import InvalidRequest, NotFound, SandboxError
-from corral.ops import NodeOps
+from corral.ops import NodeOps, PtyStream
 from corral.sdk._network import Network
 from corral.spec import (
     Event,
@@ -33,6 +33,7 @@ from corral.spec import (
     ImageInfo,
     Limits,
     ProcessInfo,
+    PtyRequest,
     SandboxInfo,
     ShellInfo,
     validation_message,
@@ -235,6 +236,45 @@ class Sandbox:
     async def processes(self) -> builtins.list[Process]:
         """Background processes started with ``spawn`` (running or ended)."""
         return [Process(self._ops, self.id, p, _KEY) for p in await self._ops.process_list(self.id)]
+
+    async def pty(
+        self,
+        cmd: Sequence[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+    ) -> PtyStream:
+        """An interactive terminal (async only), not yet started: ``async with`` it, write
+        keystrokes, iterate its output bytes; ``result`` says how it ended. No ``cmd``:
+        ``bash -l`` where the image has bash, else ``/bin/sh``.
+
+        Example:
+            >>> async with await sb.pty(["/bin/sh"]) as t:               # doctest: +SKIP
+            ...     await t.write(b"echo hi; exit 3\\n")
+            ...     out = b"".join([d async for d in t])
+            >>> t.result.exit_code                                       # doctest: +SKIP
+            3
+        """
+        fields = {
+            "cmd": None
+            if cmd is None
+            else ["/bin/sh", "-c", cmd]
+            if isinstance(cmd, str)
+            else list(cmd),
+            "rows": rows,
+            "cols": cols,
+            "env": dict(env or {}),
+            "cwd": cwd,
+            "user": None if user is None else str(user),
+        }
+        try:
+            req = PtyRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
+        return await self._ops.pty(self.id, req)
 
     async def shell(self, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Shell:
         """Open a shell session whose cwd and environment persist between ``run`` calls."""
