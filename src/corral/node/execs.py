@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from corral.backends import shell as shellmod
 from corral.backends.base import Agent
 from corral.backends.initclient import InitExit
-from corral.errors import CorralError, InvalidRequest, ProcessNotFound, SandboxError
+from corral.errors import CorralError, InvalidRequest, NotFound, ProcessNotFound, SandboxError
 from corral.node.lifecycle import Lifecycle
 from corral.node.pty import NodePty
 from corral.ops import DEFAULT_SHELLS
@@ -216,19 +216,16 @@ class Execs:
         )
 
     async def _default_shell(self, info: SandboxInfo) -> list[str]:
-        """The first of DEFAULT_SHELLS whose program the sandbox has."""
+        """The first of DEFAULT_SHELLS whose program the sandbox has (as ops.default_shell
+        decides it, through the sandbox's files)."""
         files = self.life.backend_of(info).files(info.id)
-        for argv in DEFAULT_SHELLS:
+        for candidate in DEFAULT_SHELLS[:-1]:
             try:
-                await asyncio.to_thread(files.stat, argv[0])
-                return list(argv)
-            except CorralError:
+                await asyncio.to_thread(files.stat, candidate[0])
+            except NotFound:
                 continue
-        raise InvalidRequest(
-            "cmd: the sandbox has none of "
-            + ", ".join(a[0] for a in DEFAULT_SHELLS)
-            + "; name the program to run"
-        )
+            return list(candidate)
+        return list(DEFAULT_SHELLS[-1])
 
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         info = self.life.active(sandbox_id)

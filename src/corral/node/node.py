@@ -52,7 +52,7 @@ from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
 from corral.node.table import SandboxTable
-from corral.ops import NodeOps
+from corral.ops import NodeOps, check_events_limit, cursor_positions, stamp_events
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -74,8 +74,6 @@ from corral.spec import (
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
-    decode_cursor,
-    encode_cursor,
     validation_message,
 )
 
@@ -447,16 +445,11 @@ class Node:
         kinds: list[str] | None = None,
         limit: int = 1000,
     ) -> list[Event]:
-        """Events after the cursor ``after`` (from an earlier event's ``cursor``), oldest
-        first, at most ``limit``."""
-        if not 1 <= limit <= 10000:
-            raise InvalidRequest(f"limit: {limit} is not between 1 and 10000")
-        since = 0
-        if after:
-            try:
-                since = decode_cursor(after).get(self.node_id, 0)
-            except ValueError as e:
-                raise InvalidRequest(f"after: {e}") from None
+        """Events after the cursor ``after`` (an earlier event's ``cursor``), oldest first,
+        at most ``limit``; the label filter applies before the limit."""
+        positions = cursor_positions(after)
+        check_events_limit(limit)
+        since = positions.get(self.node_id, 0)
         self.security.flush()  # denials counted so far are part of the answer
         if sandbox_id is not None:
             await self.sandbox_get(sandbox_id)
@@ -468,13 +461,7 @@ class Node:
                 break
             since = page[-1].id
             out += [e for e in page if ids is None or e.sandbox_id in ids]
-        return [
-            e.model_copy(update={"node_id": self.node_id, "cursor": self._cursor(e.id)})
-            for e in out[:limit]
-        ]
-
-    def _cursor(self, event_id: int) -> str:
-        return encode_cursor({self.node_id: event_id})
+        return stamp_events(out[:limit], self.node_id, positions)
 
     async def events_summary(
         self,

@@ -190,4 +190,4 @@ class SandboxTable:
 
 
 def _plausible(sandbox_id: str) -> bool:
-    return len(sandbox_id) <= 64 and SANDBOX_ID_RE.match(sandbox_id) is not None
+    return len(sandbox_id) <= 64 and SANDBOX_ID_RE.fullmatch(sandbox_id) is not None

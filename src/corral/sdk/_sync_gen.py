@@ -10,18 +10,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from corral.sdk._client import AsyncClient
-from corral.sdk._sync import _Handle, _Portal
+from corral.sdk._sync import _Handle, _Portal, _same
 
 if TYPE_CHECKING:
     import builtins
     import os
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
     from pathlib import Path
     from types import TracebackType
     from typing import Any
 
     from corral.node import NodeConfig
-    from corral.ops import NodeOps
+    from corral.ops import NodeOps, PtyStream
     from corral.sdk._client import Images, Sandboxes
     from corral.sdk._fncall import FnCall, Progress
     from corral.sdk._network import Network
@@ -59,6 +59,7 @@ __all__ = [
     "BlockingNetwork",
     "BlockingExecStream",
     "BlockingProcess",
+    "BlockingPtyStream",
     "BlockingShell",
 ]
 
@@ -493,6 +494,32 @@ class BlockingSandbox(_Handle):
         value = self._portal.call(self._obj.processes())
         return [BlockingProcess(v0, self._portal) for v0 in value]
 
+    def pty(
+        self,
+        cmd: Sequence[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+    ) -> BlockingPtyStream:
+        """An interactive terminal (async only), not yet started: ``with`` it, write
+        keystrokes, iterate its output bytes; ``result`` says how it ended. No ``cmd``:
+        ``bash -l`` where the image has bash, else ``/bin/sh``.
+
+        Example:
+            >>> with sb.pty(["/bin/sh"]) as t:               # doctest: +SKIP
+            ...     t.write(b"echo hi; exit 3\\n")
+            ...     out = b"".join([d for d in t])
+            >>> t.result.exit_code                                       # doctest: +SKIP
+            3
+        """
+        value = self._portal.call(
+            self._obj.pty(cmd, rows=rows, cols=cols, env=env, cwd=cwd, user=user)
+        )
+        return BlockingPtyStream(value, self._portal)
+
     def shell(self, cwd: str | None = None, env: Mapping[str, str] | None = None) -> BlockingShell:
         """Open a shell session whose cwd and environment persist between ``run`` calls."""
         value = self._portal.call(self._obj.shell(cwd, env))
@@ -729,6 +756,64 @@ class BlockingProcess(_Handle):
     def output(self) -> tuple[bytes, bytes]:
         """(stdout, stderr) buffered so far, or the whole output once it has ended."""
         return self._portal.call(self._obj.output())
+
+
+class BlockingPtyStream(_Handle):
+    """Blocking ``corral.ops.PtyStream``: the same API, no ``await``.
+
+    One terminal, as every implementation of ``pty`` returns it (not yet entered).
+
+    Enter it (``with``) to start the command; iterate it for output bytes until the
+    command ends; then ``result`` holds how it ended (stdout/stderr empty: they were
+    streamed). Writes after the end are dropped silently: the iteration says how it ended.
+    """
+
+    __slots__ = ()
+    _obj: PtyStream
+
+    @property
+    def pid(self) -> int:
+        """The command's pid inside the sandbox, once entered (0 where unknown)."""
+        return self._obj.pid
+
+    @property
+    def cmd(self) -> list[str]:
+        """The command started (the default shell when the request had none)."""
+        return self._obj.cmd
+
+    @property
+    def result(self) -> ExecResult | None:
+        """How the command ended; None until the iteration has reached the end."""
+        return self._obj.result
+
+    def __enter__(self) -> BlockingPtyStream:
+        value = self._portal.call(self._obj.__aenter__())
+        return self if value is self._obj else BlockingPtyStream(value, self._portal)
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._portal.call(self._obj.__aexit__(et, e, tb))
+
+    def __iter__(self) -> Iterator[bytes]:
+        value = self._obj.__aiter__()
+        return self._portal.iterate(value, _same)
+
+    def write(self, data: bytes) -> None:
+        """Bytes to the terminal's input (keystrokes)."""
+        self._portal.call(self._obj.write(data))
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the window size (the command gets SIGWINCH)."""
+        self._portal.call(self._obj.resize(rows, cols))
+
+    def close_stdin(self) -> None:
+        """End of input (the EOF character, in canonical mode)."""
+        self._portal.call(self._obj.close_stdin())
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the command's process group."""
+        self._portal.call(self._obj.signal(sig))
 
 
 class BlockingShell(_Handle):
