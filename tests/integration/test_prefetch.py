@@ -38,7 +38,7 @@ async def pnode(images_ready):  # type: ignore[no-untyped-def]
     try:
         yield n
     finally:
-        if not n._closed:
+        if not n.life.closed:
             for info in await n.sandbox_list():
                 await n.sandbox_destroy(info.id)
             await n.close()

@@ -201,7 +201,7 @@ async def test_destroy_once_started_finishes(images_ready, who: str) -> None:
                 await task
             await n.close()
     finally:
-        if not n._closed:
+        if not n.life.closed:
             await n.close()
     _assert_clean()  # the destroy ran to its end: nothing of the sandbox is left
     n = await Node.open(_cfg())
@@ -427,7 +427,7 @@ async def test_close_with_creates_in_flight(images_ready, delay: float | str) ->
         with pytest.raises(Conflict):
             await n.sandbox_create(_spec())
     finally:
-        if not n._closed:
+        if not n.life.closed:
             await n.close()
     n = await Node.open(_cfg())
     try:
@@ -505,11 +505,13 @@ async def test_failed_open_releases_the_state_dir(images_ready, monkeypatch) -> 
     """An open that fails in recovery must not keep the state dir locked in this process."""
     from corral.errors import HostError
 
-    async def broken(self: Node) -> None:
+    from corral.node.lifecycle import Lifecycle
+
+    async def broken(self: Lifecycle) -> None:
         raise HostError("recovery failed (simulated)")
 
     with monkeypatch.context() as m:
-        m.setattr(Node, "_recover", broken)
+        m.setattr(Lifecycle, "recover", broken)
         with pytest.raises(HostError, match="simulated"):
             await Node.open(_cfg())
     n = await Node.open(_cfg())  # not "another corral node already owns ..."

@@ -23,6 +23,7 @@ from corral.node.pause import NodeSwap
 from corral.node.registry import Backends, make_backend
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
+from corral.node.table import SandboxTable
 
 __all__ = ["NodeHost", "open_host", "Parts"]
 
@@ -35,6 +36,7 @@ class NodeHost:
     """The node-wide pieces every part shares (opened in this order, closed in reverse)."""
 
     lock_fd: int
+    table: SandboxTable
     node_id: str
     state: StateStore
     store: LayerStore
@@ -71,10 +73,13 @@ async def open_host(
     closers.append(scratch.close)
     swap = NodeSwap(cfg.swap, cfg.state_dir)
     await asyncio.to_thread(swap.setup)
+    table = SandboxTable(state, node_id)
+    # The backends are made after the security log (they need its listener path): the
+    # meters of a sandbox are looked up through this registry once they exist.
     registry: list[Backends] = []
 
     def meters(sandbox_id: str) -> Meters:
-        info = state.get_sandbox(sandbox_id)
+        info = table.get(sandbox_id)
         if not registry or info is None:
             return Meters()
         backend = registry[0].get(info.backend)
@@ -109,6 +114,7 @@ async def open_host(
     registry.append(backends)
     return NodeHost(
         lock_fd=lock_fd,
+        table=table,
         node_id=node_id,
         state=state,
         store=store,

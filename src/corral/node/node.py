@@ -51,7 +51,6 @@ from corral.node.pause import Pauser
 from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
-from corral.node.table import SandboxTable
 from corral.ops import NodeOps, check_events_limit, cursor_positions, stamp_events
 from corral.spec import (
     CallRequest,
@@ -98,7 +97,7 @@ class Node:
         self.network = host.network
         self.backends = host.backends
         self._lock_fd = host.lock_fd
-        self.table = SandboxTable(self.state, self.node_id)
+        self.table = host.table
         self.pauser = Pauser(self.cgroups, self.table, self.state.add_event)
         self.life = Lifecycle(
             config,
