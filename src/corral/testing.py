@@ -1,10 +1,10 @@
 """An in-memory NodeOps for SDK and API unit tests.
 
 ``FakeNode`` keeps sandboxes, files and events in dicts and fakes a handful of commands
-(``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``exit``, ``cd``,
-``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``, ``||``, with ``$VAR``
-and ``>&2``), enough to exercise every
-code path of a transport. It runs nothing and isolates nothing: never use it outside tests.
+(``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``id -u``/``-g``,
+``exit``, ``cd``, ``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``,
+``||``, with ``$VAR`` and ``>&2``), enough to exercise every code path of a transport. The
+contract suite in tests/contract holds it to the real node's observable behaviour. It runs nothing and isolates nothing: never use it outside tests.
 
 Example:
     >>> import asyncio, corral
@@ -91,6 +91,10 @@ def _digest(name: str) -> str:
 class _Proc:
     info: ProcessInfo
     task: asyncio.Task[ExecResult]
+    out: dict[str, bytearray] = field(
+        default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()}
+    )
+    """Output so far, capped at the output limit (a node's init buffers it so)."""
 
 
 @dataclass
@@ -99,10 +103,16 @@ class _Shell:
     env: dict[str, str]
 
 
+_ETC = {
+    "/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
+    "/etc/group": b"root:x:0:\nnogroup:x:65534:\n",
+}
+
+
 @dataclass
 class _Sandbox:
     info: SandboxInfo
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=lambda: dict(_ETC))
     modes: dict[str, int] = field(default_factory=dict)
     links: dict[str, str] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/work", "/etc"})
@@ -128,9 +138,11 @@ class _Run:
         stdin: bytes | None,
         deadline: float | None,
         emit: Emit,
+        ids: tuple[int, int] = (0, 0),
     ) -> None:
         self.sb, self.env, self.cwd, self.stdin = sb, env, cwd, stdin
         self.deadline, self.emit = deadline, emit
+        self.uid, self.gid = ids
         self.timed_out = False
 
 
@@ -153,6 +165,7 @@ class FakeNode(NodeOps):
                 name=name, digest=_digest(name), layers=layers, created_at=now
             )
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._destroyed: dict[str, SandboxInfo] = {}  # as a node's state db keeps them
         self._events: list[Event] = []
         self.network_permissions: set[str] = {"pkgs", "npm"}
         """Permission names this fake node knows (a real node: its config)."""
@@ -238,6 +251,8 @@ class FakeNode(NodeOps):
         return info
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
+        if sandbox_id in self._destroyed:
+            return self._destroyed[sandbox_id]
         return self._sb(sandbox_id, wake=False).info
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
@@ -259,7 +274,8 @@ class FakeNode(NodeOps):
         sb = self._sb(sandbox_id, wake=False)
         if sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
-            self._event(sandbox_id, "resumed", transparent="false", prefetch=str(prefetch).lower())
+            more = {"prefetch": True} if prefetch else {}
+            self._event(sandbox_id, "resumed", transparent=False, **more)
         return sb.info
 
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
@@ -316,6 +332,7 @@ class FakeNode(NodeOps):
         for p in sb.procs.values():
             p.task.cancel()
         del self._sandboxes[sandbox_id]
+        self._destroyed[sandbox_id] = sb.info.model_copy(update={"state": "destroyed"})
         self._event(sandbox_id, "destroyed")
 
     # ------------------------------------------------------------------ exec
@@ -324,7 +341,7 @@ class FakeNode(NodeOps):
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         result = await self._execute(sb, req, lambda s, d: out[s].extend(d))
         limit = self._limit(sb, req)
-        return result.model_copy(
+        result = result.model_copy(
             update={
                 "stdout": bytes(out["stdout"][:limit]),
                 "stderr": bytes(out["stderr"][:limit]),
@@ -332,6 +349,7 @@ class FakeNode(NodeOps):
                 "stderr_truncated": len(out["stderr"]) > limit,
             }
         )
+        return self._ended(sandbox_id, result)
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
@@ -359,19 +377,32 @@ class FakeNode(NodeOps):
             result = task.result()
         finally:
             task.cancel()
-        yield result.model_copy(
+        result = result.model_copy(
             update={
                 "stdout_truncated": truncated["stdout"],
                 "stderr_truncated": truncated["stderr"],
             }
         )
+        yield self._ended(sandbox_id, result)
 
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         sb = self._sb(sandbox_id)
+        if req.stdin is not None or req.tty:
+            raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
+        _user_ids(sb, req.user)  # an unknown user is refused here, not in the background
         self._next_pid += 1
         info = ProcessInfo(id=_new_id("p-", 8), pid=self._next_pid, cmd=req.cmd, running=True)
-        task = asyncio.ensure_future(self.exec(sandbox_id, req))
-        sb.procs[info.id] = _Proc(info=info, task=task)
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        limit = self._limit(sb, req)
+
+        def keep(stream: str, data: bytes) -> None:  # past the cap it runs on, unrecorded
+            out[stream].extend(data[: max(limit - len(out[stream]), 0)])
+
+        # A background process has no timeout (as on a node).
+        task = asyncio.ensure_future(
+            self._execute(sb, req.model_copy(update={"timeout": None}), keep)
+        )
+        sb.procs[info.id] = _Proc(info=info, task=task, out=out)
         return info
 
     async def process_get(
@@ -384,6 +415,8 @@ class FakeNode(NodeOps):
 
     async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         proc = self._proc(sandbox_id, process_id)
+        if not 1 <= signal <= 64:
+            raise InvalidRequest(f"signal: {signal} is not a signal number (1-64)")
         if not proc.task.done():
             proc.task.cancel()
             proc.info = proc.info.model_copy(
@@ -402,11 +435,12 @@ class FakeNode(NodeOps):
     def _proc_info(self, proc: _Proc) -> ProcessInfo:
         if proc.info.result is None and proc.task.done() and not proc.task.cancelled():
             proc.info = proc.info.model_copy(update={"result": proc.task.result()})
+        out = {k: bytes(v) for k, v in proc.out.items()}
         r = proc.info.result
         if r is None:
-            return proc.info
+            return proc.info.model_copy(update=out)
         return proc.info.model_copy(
-            update={"running": False, "stdout": r.stdout, "stderr": r.stderr}
+            update={"running": False, "result": r.model_copy(update=out), **out}
         )
 
     # ---------------------------------------------------------------- shells
@@ -432,6 +466,8 @@ class FakeNode(NodeOps):
         shell = sb.shells.get(shell_id)
         if shell is None:
             raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")
+        if "\0" in command:
+            raise InvalidRequest("command: cannot contain NUL bytes")
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         run = _Run(
             sb, shell.env, shell.info.cwd, stdin, _deadline(timeout), lambda s, d: out[s].extend(d)
@@ -452,6 +488,8 @@ class FakeNode(NodeOps):
         self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None
     ) -> bytes:
         sb, p = self._sb(sandbox_id), _path(path)
+        if offset < 0 or (length is not None and length < 0):
+            raise InvalidRequest(f"{p}: offset and length cannot be negative")
         if p in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
         if p not in sb.files:
@@ -471,6 +509,8 @@ class FakeNode(NodeOps):
 
     async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
         sb, p = self._sb(sandbox_id), _path(path)
+        if p in sb.files:
+            raise InvalidRequest(f"{p}: is not a directory")
         if p not in sb.dirs:
             raise NotFound(f"{p}: no such directory in sandbox {sandbox_id}")
         names = {
@@ -494,7 +534,7 @@ class FakeNode(NodeOps):
             raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
         inside = [x for x in (*sb.dirs, *sb.files, *sb.links) if x.startswith(p.rstrip("/") + "/")]
         if inside and not recursive:
-            raise Conflict(f"{p} is a non-empty directory; pass recursive=True to remove it")
+            raise InvalidRequest(f"{p}: directory is not empty (use recursive=True)")
         for x in inside:
             sb.files.pop(x, None)
             sb.links.pop(x, None)
@@ -507,7 +547,9 @@ class FakeNode(NodeOps):
         sb, p = self._sb(sandbox_id), _path(path)
         if not parents and posixpath.dirname(p) not in sb.dirs:
             raise NotFound(f"{posixpath.dirname(p)}: no such directory in sandbox {sandbox_id}")
-        self._mkdirs(sb, p)
+        if not parents and (p in sb.dirs or p in sb.files or p in sb.links):
+            raise Conflict(f"{p}: already exists")
+        self._mkdirs(sb, p, mode)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         sb, root = self._sb(sandbox_id), _path(path)
@@ -519,7 +561,7 @@ class FakeNode(NodeOps):
                     raise PathRefused(f"tar member {m.name!r} escapes {root}")
                 dest = posixpath.join(root, name)
                 if m.isdir():
-                    self._mkdirs(sb, dest)
+                    self._mkdirs(sb, dest, m.mode)
                 elif m.isfile():
                     f = tar.extractfile(m)
                     self._mkdirs(sb, posixpath.dirname(dest))
@@ -578,7 +620,12 @@ class FakeNode(NodeOps):
         labels: dict[str, str] | None = None,
         kinds: list[str] | None = None,
     ) -> list[Event]:
-        ids = None if labels is None else {s.id for s in await self.sandbox_list(labels)}
+        if sandbox_id is not None:
+            await self.sandbox_get(sandbox_id)  # unknown: SandboxNotFound, as on a node
+        ids = None
+        if labels is not None:
+            infos = [*(s.info for s in self._sandboxes.values()), *self._destroyed.values()]
+            ids = {i.id for i in infos if labels.items() <= i.spec.labels.items()}
         return [
             e
             for e in self._events
@@ -695,11 +742,13 @@ class FakeNode(NodeOps):
     def _sb(self, sandbox_id: str, wake: bool = True) -> _Sandbox:
         """The sandbox; a request (``wake``) to a paused one resumes it, as a node does."""
         sb = self._sandboxes.get(sandbox_id)
+        if sb is None and sandbox_id in self._destroyed:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is destroyed")
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node")
         if wake and sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
-            self._event(sandbox_id, "resumed", transparent="true")
+            self._event(sandbox_id, "resumed", transparent=True)
         return sb
 
     def _proc(self, sandbox_id: str, process_id: str) -> _Proc:
@@ -708,7 +757,7 @@ class FakeNode(NodeOps):
             raise ProcessNotFound(f"no process {process_id!r} in sandbox {sandbox_id}")
         return proc
 
-    def _event(self, sandbox_id: str | None, kind: str, **detail: str) -> None:
+    def _event(self, sandbox_id: str | None, kind: str, **detail: str | bool) -> None:
         self._events.append(
             Event(
                 id=len(self._events) + 1,
@@ -723,12 +772,22 @@ class FakeNode(NodeOps):
     def _limit(sb: _Sandbox, req: ExecRequest) -> int:
         return sb.info.spec.limits.output if req.output_limit is None else req.output_limit
 
+    def _ended(self, sandbox_id: str, r: ExecResult) -> ExecResult:
+        """A foreground command's end as a node reports it: output past the cap stops it
+        (reason ``output_limit``), and the limits it ran into are events."""
+        if r.truncated and r.reason == "exited":
+            r = r.model_copy(update={"reason": "output_limit", "exit_code": None, "signal": 9})
+        if r.reason in ("timeout", "output_limit"):
+            self._event(sandbox_id, r.reason)
+        return r
+
     @staticmethod
-    def _mkdirs(sb: _Sandbox, p: str) -> None:
+    def _mkdirs(sb: _Sandbox, p: str, mode: int = 0o755) -> None:
         while p not in sb.dirs:
             if p in sb.files:
                 raise Conflict(f"{p} is a file, not a directory")
             sb.dirs.add(p)
+            sb.modes[p] = mode
             p = posixpath.dirname(p)
 
     @staticmethod
@@ -748,12 +807,15 @@ class FakeNode(NodeOps):
 
     async def _execute(self, sb: _Sandbox, req: ExecRequest, emit: Emit) -> ExecResult:
         env = {**sb.info.spec.env, **req.env}
-        run = _Run(
-            sb, env, req.cwd or sb.info.spec.workdir, req.stdin, _deadline(req.timeout), emit
-        )
+        cwd = req.cwd or sb.info.spec.workdir
+        ids = _user_ids(sb, req.user)
+        run = _Run(sb, env, cwd, req.stdin, _deadline(req.timeout), emit, ids)
         start = time.monotonic()
         name = posixpath.basename(req.cmd[0])
-        if name in ("sh", "bash") and len(req.cmd) >= 3 and req.cmd[1] == "-c":
+        if cwd not in sb.dirs:  # the init's chdir fails before the command starts
+            emit("stderr", f"corral-init: chdir {cwd}: No such file or directory\n".encode())
+            code = 126
+        elif name in ("sh", "bash") and len(req.cmd) >= 3 and req.cmd[1] == "-c":
             code = await self._script(run, req.cmd[2])
         else:
             code = await self._command(run, req.cmd)
@@ -831,6 +893,8 @@ class FakeNode(NodeOps):
                     run.emit("stderr", f"cat: {a}: No such file or directory\n".encode())
                     return 1
                 run.emit("stdout", run.sb.files[p])
+        elif name == "id" and args in (["-u"], ["-g"]):
+            run.emit("stdout", f"{run.uid if args == ['-u'] else run.gid}\n".encode())
         elif name == "sleep":
             return await self._sleep(run, float(args[0]) if args else 0.0)
         else:
@@ -848,13 +912,34 @@ class FakeNode(NodeOps):
         return 0
 
 
+def _user_ids(sb: _Sandbox, user: str | None) -> tuple[int, int]:
+    """``uid``, ``uid:gid`` or names, looked up in the sandbox's /etc files as a node does."""
+    if not user:
+        return 0, 0
+
+    def lookup(path: str, name: str, what: str) -> tuple[int, int]:
+        for line in sb.files.get(path, b"").decode(errors="replace").splitlines():
+            f = line.split(":")
+            if len(f) >= 3 and f[0] == name:
+                return int(f[2]), int(f[3]) if len(f) >= 4 and f[3].isdigit() else int(f[2])
+        raise InvalidRequest(f"user: no {what} {name!r} in the sandbox's {path}")
+
+    name, _, group = user.partition(":")
+    uid, gid = (int(name), int(name)) if name.isdigit() else lookup("/etc/passwd", name, "user")
+    if group:
+        gid = int(group) if group.isdigit() else lookup("/etc/group", group, "group")[0]
+    return uid, gid
+
+
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
 def _path(path: str) -> str:
-    if not path.startswith("/") or "\0" in path:
-        raise PathRefused(f"{path!r} must be an absolute path without NUL bytes")
+    if "\0" in path:
+        raise PathRefused(f"path {path[:200]!r} contains a NUL byte")
+    if not path.startswith("/"):
+        raise InvalidRequest(f"path {path!r} must be absolute inside the sandbox (start with /)")
     # normpath keeps a leading "//" (POSIX allows it to mean something else): fold it
     return posixpath.normpath("/" + path.lstrip("/"))
 

@@ -133,9 +133,7 @@ class LifecycleContract(ContractBase):
         assert await events_after(ops, cursor_of(after, start), sandbox_id=other.id) == []
 
     @pytest.mark.parametrize("reason", ["timeout", "output_limit"])
-    async def test_exec_limits_are_events(
-        self, ops: NodeOps, sb: SandboxInfo, reason: str
-    ) -> None:
+    async def test_exec_limits_are_events(self, ops: NodeOps, sb: SandboxInfo, reason: str) -> None:
         start = cursor_of(await events_after(ops, sandbox_id=sb.id))
         if reason == "timeout":
             r = await run(ops, sb.id, "sleep", "30", timeout=0.3)

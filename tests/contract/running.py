@@ -64,8 +64,12 @@ class RunContract(ContractBase):
             b"",
             b"",
         )
-        out = b"".join(x.data for x in items[:-1] if isinstance(x, ExecChunk) and x.stream == "stdout")
-        err = b"".join(x.data for x in items[:-1] if isinstance(x, ExecChunk) and x.stream == "stderr")
+        out = b"".join(
+            x.data for x in items[:-1] if isinstance(x, ExecChunk) and x.stream == "stdout"
+        )
+        err = b"".join(
+            x.data for x in items[:-1] if isinstance(x, ExecChunk) and x.stream == "stderr"
+        )
         assert (out, err) == (b"a\nin\n", b"b\n")
 
         req = ExecRequest(cmd=["echo", "z" * 5000], output_limit=1000)
@@ -116,7 +120,9 @@ class RunContract(ContractBase):
         r = await ops.shell_run(sb.id, sh.id, "sleep 30", timeout=0.5)
         assert r.reason == "timeout"
         other = await ops.shell_open(sb.id)
-        assert (await ops.shell_run(sb.id, other.id, "pwd")).stdout == f"{sb.spec.workdir}\n".encode()
+        assert (
+            await ops.shell_run(sb.id, other.id, "pwd")
+        ).stdout == f"{sb.spec.workdir}\n".encode()
         assert (await ops.shell_run(sb.id, other.id, "echo x$KEPT")).stdout == b"x\n"
         with raises_exactly(InvalidRequest, match="NUL"):
             await ops.shell_run(sb.id, sh.id, "echo a\0b")
