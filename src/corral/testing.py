@@ -2,7 +2,7 @@
 
 ``FakeNode`` keeps sandboxes, files and events in dicts and fakes a handful of commands
 (``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``id -u``/``-g``,
-``exit``, ``cd``, ``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``,
+``kill -SIG $$``, ``exit``, ``cd``, ``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``,
 ``||``, with ``$VAR`` and ``>&2``), enough to exercise every code path of a transport. The
 contract suite in tests/contract holds it to the real node's observable behaviour. It runs nothing and isolates nothing: never use it outside tests.
 
@@ -26,6 +26,7 @@ import posixpath
 import re
 import secrets
 import shlex
+import signal
 import string
 import tarfile
 import time
@@ -144,6 +145,7 @@ class _Run:
         self.deadline, self.emit = deadline, emit
         self.uid, self.gid = ids
         self.timed_out = False
+        self.signal: int | None = None  # set by ``kill -SIG $$``: the script killed itself
 
 
 class FakeNode(NodeOps):
@@ -490,39 +492,51 @@ class FakeNode(NodeOps):
         sb, p = self._sb(sandbox_id), _path(path)
         if offset < 0 or (length is not None and length < 0):
             raise InvalidRequest(f"{p}: offset and length cannot be negative")
-        if p in sb.dirs:
+        q = _resolve(sb, p)
+        if q in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
-        if p not in sb.files:
+        if q not in sb.files:
             raise NotFound(f"{p}: no such file in sandbox {sandbox_id}")
-        data = sb.files[p][offset:]
+        data = sb.files[q][offset:]
         return data if length is None else data[:length]
 
     async def file_write(
         self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
     ) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        p = _resolve(sb, p, follow=False)
         if p in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
+        if append and p in sb.links:
+            raise PathRefused(f"{p}: is a symlink (not followed here)")
         self._mkdirs(sb, posixpath.dirname(p))
+        sb.links.pop(p, None)  # a write replaces a symlink, never writes through it
         sb.files[p] = (sb.files.get(p, b"") if append else b"") + data
         sb.modes[p] = mode
 
     async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
         sb, p = self._sb(sandbox_id), _path(path)
-        if p in sb.files:
+        q = _resolve(sb, p)
+        if q in sb.files:
             raise InvalidRequest(f"{p}: is not a directory")
-        if p not in sb.dirs:
+        if q not in sb.dirs:
             raise NotFound(f"{p}: no such directory in sandbox {sandbox_id}")
         names = {
-            x for x in (*sb.dirs, *sb.files, *sb.links) if x != p and posixpath.dirname(x) == p
+            x for x in (*sb.dirs, *sb.files, *sb.links) if x != q and posixpath.dirname(x) == q
         }
-        return [self._stat(sb, n) for n in sorted(names)]
+        return [
+            self._stat(sb, n).model_copy(update={"path": posixpath.join(p, posixpath.basename(n))})
+            for n in sorted(names)
+        ]
 
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
         sb, p = self._sb(sandbox_id), _path(path)
-        if p not in sb.dirs and p not in sb.files and p not in sb.links:
+        q = _resolve(sb, p, follow=False)
+        if q not in sb.dirs and q not in sb.files and q not in sb.links:
             raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
-        return self._stat(sb, p)
+        return self._stat(sb, q).model_copy(
+            update={"path": p, "name": posixpath.basename(p) or "/"}
+        )
 
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
@@ -827,6 +841,13 @@ class FakeNode(NodeOps):
             return ExecResult(
                 exit_code=None, signal=9, reason="timeout", duration=time.monotonic() - start
             )
+        if run.signal is not None:
+            return ExecResult(
+                exit_code=None,
+                signal=run.signal,
+                reason="signaled",
+                duration=time.monotonic() - start,
+            )
         return ExecResult(exit_code=code, reason="exited", duration=time.monotonic() - start)
 
     async def _script(self, run: _Run, script: str) -> int:
@@ -851,7 +872,7 @@ class FakeNode(NodeOps):
                     run.emit = emit
                 else:
                     code = await self._command(run, words)
-                if run.timed_out:
+                if run.timed_out or run.signal is not None:
                     return code
             op, words = tok, []
         return code
@@ -893,6 +914,10 @@ class FakeNode(NodeOps):
                     run.emit("stderr", f"cat: {a}: No such file or directory\n".encode())
                     return 1
                 run.emit("stdout", run.sb.files[p])
+        elif name == "kill" and len(args) == 2 and args[1] == "$$":
+            sig = args[0].lstrip("-").upper().removeprefix("SIG")
+            run.signal = int(sig) if sig.isdigit() else int(signal.Signals["SIG" + sig])
+            return -1
         elif name == "id" and args in (["-u"], ["-g"]):
             run.emit("stdout", f"{run.uid if args == ['-u'] else run.gid}\n".encode())
         elif name == "sleep":
@@ -933,6 +958,24 @@ def _user_ids(sb: _Sandbox, user: str | None) -> tuple[int, int]:
 
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
+
+
+def _resolve(sb: _Sandbox, path: str, follow: bool = True) -> str:
+    """Where ``path`` leads as the node's openat2(RESOLVE_IN_ROOT) sees it: symlinks on the
+    way (the last one too with ``follow``) resolved, absolute ones from the sandbox's root."""
+    parts, at, hops = [x for x in path.split("/") if x], "/", 0
+    while parts:
+        nxt = posixpath.normpath(posixpath.join(at, parts.pop(0)))  # ".." stops at "/"
+        if nxt in sb.links and (parts or follow):
+            hops += 1
+            if hops > 40:
+                raise PathRefused(f"{path}: too many symlinks on the way")
+            target = sb.links[nxt]
+            at = "/" if target.startswith("/") else at
+            parts = [x for x in target.split("/") if x] + parts
+        else:
+            at = nxt
+    return at
 
 
 def _path(path: str) -> str:

@@ -159,3 +159,31 @@ class FilesContract(ContractBase):
         assert [e.name for e in await ops.file_list(sb.id, "/tmp/c-tar")] == ["d", "l"]
         with raises_exactly(NotFound):
             await ops.file_stat(sb.id, "/tmp/escape")
+
+    async def test_symlinks_resolve_inside(self, ops: NodeOps, sb: SandboxInfo) -> None:
+        """Links are followed as the guest would see them, absolute ones from the sandbox's
+        root; stat and a plain write act on the link itself, never on its target."""
+        data = _tar(
+            ("d", None, 0o755),
+            ("d/f", b"target", 0o644),
+            ("rel", "d/f"),
+            ("dir", "d"),
+            ("root", "/"),
+            ("up", "../../../../.."),
+        )
+        await ops.file_upload_tar(sb.id, "/tmp/c-ln", data)
+        assert await ops.file_read(sb.id, "/tmp/c-ln/rel") == b"target"
+        assert [e.name for e in await ops.file_list(sb.id, "/tmp/c-ln/dir")] == ["f"]
+        assert await ops.file_read(sb.id, "/tmp/c-ln/dir/f") == b"target"
+        # Both lead to the sandbox's own root, never the host's.
+        assert await ops.file_read(sb.id, "/tmp/c-ln/root/tmp/c-ln/d/f") == b"target"
+        assert await ops.file_read(sb.id, "/tmp/c-ln/up/tmp/c-ln/d/f") == b"target"
+        st = await ops.file_stat(sb.id, "/tmp/c-ln/dir")
+        assert (st.path, st.type, st.target) == ("/tmp/c-ln/dir", "symlink", "d")
+        await ops.file_write(sb.id, "/tmp/c-ln/rel", b"replaced")
+        assert (await ops.file_stat(sb.id, "/tmp/c-ln/rel")).type == "file"
+        assert await ops.file_read(sb.id, "/tmp/c-ln/d/f") == b"target"
+        with raises_exactly(PathRefused, match="symlink"):
+            await ops.file_write(sb.id, "/tmp/c-ln/dir", b"x", append=True)
+        await ops.file_remove(sb.id, "/tmp/c-ln/dir")  # the link, not its target
+        assert await ops.file_read(sb.id, "/tmp/c-ln/d/f") == b"target"

@@ -95,6 +95,10 @@ class LifecycleContract(ContractBase):
             evs = await events_after(ops, sandbox_id=info.id, kinds=["paused", "resumed"])
             assert [e.kind for e in evs] == ["paused", "resumed", "paused", "resumed"]
             assert [e.detail.get("transparent") for e in evs[1::2]] == [False, True]
+            await ops.sandbox_pause(info.id)
+            assert (await ops.sandbox_resume(info.id, prefetch=True)).state == "running"
+            last = (await events_after(ops, sandbox_id=info.id, kinds=["resumed"]))[-1]
+            assert (last.detail.get("transparent"), last.detail.get("prefetch")) == (False, True)
 
             # By labels: only the job's sandboxes, the shared one stays running.
             job = {"contract": run_label, "role": "pause"}

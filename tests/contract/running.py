@@ -19,6 +19,11 @@ class RunContract(ContractBase):
         assert (missing.exit_code, missing.reason) == (127, "exited")
         assert b"no-such-command-here" in missing.stderr
 
+    async def test_signaled(self, ops: NodeOps, sb: SandboxInfo) -> None:
+        r = await run(ops, sb.id, "echo going; kill -TERM $$; echo not-reached")
+        assert (r.reason, r.signal, r.exit_code, r.ok) == ("signaled", 15, None, False)
+        assert r.stdout == b"going\n"
+
     async def test_stdin_env_cwd(self, ops: NodeOps, sb: SandboxInfo) -> None:
         r = await run(ops, sb.id, "cat", stdin=b"fed through stdin\n")
         assert r.stdout == b"fed through stdin\n"
