@@ -74,6 +74,7 @@ __all__ = ["FakeNode", "FakePty", "FakePtyExit"]
 _BASE_LAYER = "sha256:" + "0" * 64
 _PY_LAYER = "sha256:" + "1" * 64
 _ID_ALPHABET = string.digits + string.ascii_lowercase
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _TO_STDERR = "\0stderr"  # stands for ">&2" while a script is split into words
 _VAR_RE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
@@ -186,6 +187,11 @@ class FakeNode(NodeOps):
     async def image_compose(
         self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
     ) -> ImageInfo:
+        from corral.images.store import check_image_name
+
+        check_image_name(name)
+        if not layers:
+            raise InvalidRequest(f"image {name!r} needs at least one layer")
         for digest in layers:
             if digest not in self._layers:
                 raise LayerNotFound(f"layer {digest} is not in the store")
@@ -240,7 +246,10 @@ class FakeNode(NodeOps):
             state="running",
             image=spec.image,
             image_digest=img.digest,
-            spec=spec,
+            layers=list(img.layers),
+            image_env=dict(img.env),
+            # as on a node: the image's workdir unless the spec names one
+            spec=spec if spec.workdir != "/" else spec.model_copy(update={"workdir": img.workdir}),
             created_at=now,
             last_active_at=now,
             runtime="fake",
@@ -432,7 +441,11 @@ class FakeNode(NodeOps):
             )
 
     async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
-        return [self._proc_info(p) for p in self._sb(sandbox_id).procs.values()]
+        """Every process started (ended ones too), without output or result (as a node)."""
+        return [
+            self._proc_info(p).model_copy(update={"stdout": b"", "stderr": b"", "result": None})
+            for p in self._sb(sandbox_id).procs.values()
+        ]
 
     def _proc_info(self, proc: _Proc) -> ProcessInfo:
         if proc.info.result is None and proc.task.done() and not proc.task.cancelled():
@@ -453,7 +466,7 @@ class FakeNode(NodeOps):
         info = ShellInfo(
             id=_new_id("sh-", 8), cwd=cwd or sb.info.spec.workdir, created_at=time.time()
         )
-        sb.shells[info.id] = _Shell(info=info, env={**sb.info.spec.env, **(env or {})})
+        sb.shells[info.id] = _Shell(info=info, env=_env(sb, env or {}))
         return info
 
     async def shell_run(
@@ -820,9 +833,9 @@ class FakeNode(NodeOps):
         )
 
     async def _execute(self, sb: _Sandbox, req: ExecRequest, emit: Emit) -> ExecResult:
-        env = {**sb.info.spec.env, **req.env}
-        cwd = req.cwd or sb.info.spec.workdir
         ids = _user_ids(sb, req.user)
+        env = _env(sb, req.env, root=ids[0] == 0)
+        cwd = req.cwd or sb.info.spec.workdir
         run = _Run(sb, env, cwd, req.stdin, _deadline(req.timeout), emit, ids)
         start = time.monotonic()
         name = posixpath.basename(req.cmd[0])
@@ -935,6 +948,17 @@ class FakeNode(NodeOps):
             return -1
         await asyncio.sleep(seconds)
         return 0
+
+
+def _env(sb: _Sandbox, extra: dict[str, str], root: bool = True) -> dict[str, str]:
+    """A command's environment as a node builds it: its defaults, then the image's, the
+    spec's and the request's (each over the one before)."""
+    env = {"PATH": _DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.info.spec.hostname}
+    env.update(sb.info.image_env)
+    env.update(sb.info.spec.env)
+    if not root and "HOME" not in extra:
+        env["HOME"] = "/"
+    return {**env, **extra}
 
 
 def _user_ids(sb: _Sandbox, user: str | None) -> tuple[int, int]:

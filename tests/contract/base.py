@@ -51,12 +51,14 @@ class ContractBase:
     @pytest.fixture(scope="class")
     @classmethod
     async def sb(cls, ops: NodeOps, run_label: str) -> AsyncIterator[SandboxInfo]:
-        """The shared sandbox: labels ``contract=<run>, role=shared``, env ``SPEC_VAR``."""
+        """The shared sandbox: labels ``contract=<run>, role=shared``, env ``SPEC_VAR`` and
+        ``OVERRIDDEN``, workdir ``/tmp``, output limit 64 KiB."""
         info = await ops.sandbox_create(
             SandboxSpec(
                 image=cls.image,
                 labels={"contract": run_label, "role": "shared"},
                 env={"SPEC_VAR": "from-spec", "OVERRIDDEN": "spec"},
+                workdir="/tmp",
                 limits=Limits(output=64 << 10),
             )
         )

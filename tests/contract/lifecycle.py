@@ -23,6 +23,7 @@ class LifecycleContract(ContractBase):
         assert [i.id for i in await ops.sandbox_list(mine)] == [info.id]
         assert info.id in {i.id for i in await ops.sandbox_list()}
         assert await ops.sandbox_list({"contract": run_label, "role": "nobody-has-it"}) == []
+        assert (await ops.node_status()).sandboxes == len(await ops.sandbox_list())
 
         await ops.sandbox_destroy(info.id)
         # A destroyed sandbox is still known (its state, its events) but takes no requests.
@@ -83,7 +84,9 @@ class LifecycleContract(ContractBase):
     ) -> None:
         info = await self.new_sandbox(ops, run_label, "pause")
         try:
+            paused_before = (await ops.node_status()).paused
             assert (await ops.sandbox_pause(info.id)).state == "paused"
+            assert (await ops.node_status()).paused == paused_before + 1
             assert (await ops.sandbox_get(info.id)).state == "paused"
             assert (await ops.sandbox_pause(info.id)).state == "paused"  # already: no-op
             assert (await ops.sandbox_resume(info.id)).state == "running"

@@ -29,6 +29,11 @@ class RunContract(ContractBase):
         assert r.stdout == b"fed through stdin\n"
         r = await run(ops, sb.id, "printenv", "SPEC_VAR", "OVERRIDDEN", env={"OVERRIDDEN": "req"})
         assert r.stdout == b"from-spec\nreq\n"
+        r = await run(ops, sb.id, "printenv", "HOSTNAME", "HOME")
+        assert r.stdout == f"{sb.spec.hostname}\n/root\n".encode()
+        r = await run(ops, sb.id, "printenv", "HOME", user="nobody")
+        assert r.stdout == b"/\n"  # not root's home
+        assert (await run(ops, sb.id, "printenv", "PATH")).stdout.count(b"/bin") >= 2
         assert (await run(ops, sb.id, "pwd")).stdout == f"{sb.spec.workdir}\n".encode()
         assert (await run(ops, sb.id, "pwd", cwd="/tmp")).stdout == b"/tmp\n"
         r = await run(ops, sb.id, "pwd", cwd="/no/such/dir")
@@ -104,7 +109,8 @@ class RunContract(ContractBase):
         assert not killed.running and killed.result is not None
         assert (killed.result.reason, killed.result.signal) == ("signaled", 15)
         assert killed.result.exit_code is None and killed.stdout == b"started\n"
-        assert long.id not in {p.id for p in await ops.process_list(sb.id) if p.running}
+        listed = {p.id: p.running for p in await ops.process_list(sb.id)}
+        assert (listed[done.id], listed[long.id]) == (False, False)  # ended ones stay listed
 
         with raises_exactly(InvalidRequest, match="signal"):
             await ops.process_kill(sb.id, done.id, signal=0)

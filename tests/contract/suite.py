@@ -14,6 +14,7 @@ See :mod:`tests.contract.base` for what the image must hold and which sandboxes 
 
 from __future__ import annotations
 
+from tests.contract.derived import DerivedContract
 from tests.contract.files import FilesContract
 from tests.contract.lifecycle import LifecycleContract
 from tests.contract.running import RunContract
@@ -21,5 +22,5 @@ from tests.contract.running import RunContract
 __all__ = ["OpsContract"]
 
 
-class OpsContract(LifecycleContract, RunContract, FilesContract):
+class OpsContract(LifecycleContract, RunContract, FilesContract, DerivedContract):
     """Every part of the operations' contract."""
