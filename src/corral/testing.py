@@ -234,7 +234,8 @@ class FakeNode(NodeOps):
         sb.info = sb.info.model_copy(
             update={"spec": sb.info.spec.model_copy(update={"network": policy})}
         )
-        self._event(sandbox_id, "network_updated", allow=",".join(policy.allow))
+        detail = {"allow": ",".join(policy.allow), "deny": ",".join(policy.deny)}
+        self._event(sandbox_id, "network_updated", **detail)
         return sb.info
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
@@ -490,9 +491,16 @@ class FakeNode(NodeOps):
         start = time.monotonic()
         code = await self._script(run, command)
         shell.info = shell.info.model_copy(update={"cwd": run.cwd})
-        return self._result(run, code, start).model_copy(
-            update={"stdout": bytes(out["stdout"]), "stderr": bytes(out["stderr"])}
+        limit = sb.info.spec.limits.output  # a shell command is an exec with the defaults
+        result = self._result(run, code, start).model_copy(
+            update={
+                "stdout": bytes(out["stdout"][:limit]),
+                "stderr": bytes(out["stderr"][:limit]),
+                "stdout_truncated": len(out["stdout"]) > limit,
+                "stderr_truncated": len(out["stderr"]) > limit,
+            }
         )
+        return self._ended(sandbox_id, result)
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         if self._sb(sandbox_id).shells.pop(shell_id, None) is None:
@@ -517,6 +525,10 @@ class FakeNode(NodeOps):
         self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
     ) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"{p}: mode {mode!r} is not a permission mode (0..0o7777)")
+        if path.endswith("/"):
+            raise InvalidRequest(f"{path!r}: a file path cannot end with '/'")
         p = _resolve(sb, p, follow=False)
         if p in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
@@ -553,6 +565,8 @@ class FakeNode(NodeOps):
 
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        if p == "/":
+            raise InvalidRequest("cannot remove the sandbox root '/'")
         if p in sb.files or p in sb.links:
             sb.files.pop(p, None)
             sb.links.pop(p, None)

@@ -123,11 +123,17 @@ class FilesContract(ContractBase):
             lambda: ops.file_list(sb.id, "/tmp/c-err/f"),  # a file
             lambda: ops.file_read(sb.id, "relative/path"),
             lambda: ops.file_write(sb.id, "relative/path", b"x"),
+            lambda: ops.file_write(sb.id, "/tmp/c-err/g/", b"x"),  # names a directory
+            lambda: ops.file_write(sb.id, "/tmp/c-err/g", b"x", mode=0o17777),
+            lambda: ops.file_write(sb.id, "/", b"x"),
+            lambda: ops.file_remove(sb.id, "/", recursive=True),
         ):
             with raises_exactly(InvalidRequest):
                 await call()
         with raises_exactly(PathRefused, match="NUL"):
             await ops.file_read(sb.id, "/tmp/c-err/a\0b")
+        assert [e.name for e in await ops.file_list(sb.id, "/tmp/c-err")] == ["f"]
+        assert (await ops.file_stat(sb.id, "/tmp")).type == "dir"  # the root survived
 
     async def test_dotdot_stays_inside(self, ops: NodeOps, sb: SandboxInfo) -> None:
         await ops.file_write(sb.id, "/../../tmp/c-dots/../c-dots/f", b"inside")

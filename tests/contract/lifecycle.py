@@ -149,3 +149,14 @@ class LifecycleContract(ContractBase):
         assert r.reason == reason
         kinds = [e.kind for e in await events_after(ops, start, sandbox_id=sb.id)]
         assert kinds.count(reason) == 1, kinds
+
+    async def test_network_update(self, ops: NodeOps, sb: SandboxInfo) -> None:
+        start = cursor_of(await events_after(ops, sandbox_id=sb.id))
+        info = await ops.network_update(sb.id, allow=[], deny=[])
+        assert info.id == sb.id and info.spec.network == NetworkPolicy()
+        assert (await ops.sandbox_get(sb.id)).spec.network == NetworkPolicy()
+        evs = await events_after(ops, start, sandbox_id=sb.id, kinds=["network_updated"])
+        assert [(e.detail.get("allow"), e.detail.get("deny")) for e in evs] == [("", "")]
+        with raises_exactly(InvalidRequest, match="no-such-permission"):
+            await ops.network_update(sb.id, allow=["no-such-permission"])
+        assert (await ops.sandbox_get(sb.id)).spec.network == NetworkPolicy()  # unchanged

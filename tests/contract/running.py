@@ -130,6 +130,8 @@ class RunContract(ContractBase):
         assert (await ops.shell_run(sb.id, sh.id, "cat", stdin=b"piped")).stdout == b"piped"
         r = await ops.shell_run(sb.id, sh.id, "sleep 30", timeout=0.5)
         assert r.reason == "timeout"
+        r = await ops.shell_run(sb.id, sh.id, "echo " + "x" * (70 << 10))  # over 64 KiB
+        assert (r.reason, r.stdout_truncated, len(r.stdout)) == ("output_limit", True, 64 << 10)
         other = await ops.shell_open(sb.id)
         assert (
             await ops.shell_run(sb.id, other.id, "pwd")
