@@ -11,7 +11,7 @@ from __future__ import annotations
 from corral.ops import NodeOps
 from corral.spec import SANDBOX_ID_RE, Event, SandboxInfo
 
-__all__ = ["UNKNOWN_ID", "is_sandbox_id", "backend_of", "events_after", "cursor_of"]
+__all__ = ["UNKNOWN_ID", "is_sandbox_id", "backend_of", "events_after", "cursor_of", "cursor_now"]
 
 UNKNOWN_ID = "sb-000000000000"
 """A well-formed sandbox id that no node ever hands out (ids are random)."""
@@ -33,6 +33,15 @@ Cursor = int
 def cursor_of(events: list[Event], start: Cursor = 0) -> Cursor:
     """A cursor past the last of ``events`` (``start`` when there are none)."""
     return events[-1].id if events else start
+
+
+async def cursor_now(ops: NodeOps) -> Cursor:
+    """A cursor past every event so far. One answer is a page (a node caps it), so this
+    pages to the end; a state dir kept between runs may hold many."""
+    cursor = 0
+    while page := await events_after(ops, cursor):
+        cursor = cursor_of(page, cursor)
+    return cursor
 
 
 async def events_after(
