@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
+from corral.api import create_app
 from corral.ops import NodeOps
+from corral.sdk._http import HTTPOps
 from corral.testing import FakeNode
 from tests.contract.suite import OpsContract
 
@@ -21,4 +24,20 @@ class TestFakeNode(OpsContract):
     async def ops(cls) -> AsyncIterator[NodeOps]:
         node = FakeNode()
         yield node
+        await node.close()
+
+
+class TestFakeNodeOverHTTP(OpsContract):
+    """The same contract through the REST API and the HTTP client: what crosses the wire
+    (errors by kind, bytes, streams) must arrive as the node said it."""
+
+    image = "demo/python"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    async def ops(cls) -> AsyncIterator[NodeOps]:
+        node = FakeNode()
+        http = HTTPOps("http://corral.test", transport=httpx.ASGITransport(create_app(node)))
+        yield http
+        await http.close()
         await node.close()
