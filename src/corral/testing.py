@@ -1,10 +1,10 @@
 """An in-memory NodeOps for SDK and API unit tests.
 
 ``FakeNode`` keeps sandboxes, files and events in dicts and fakes a handful of commands
-(``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``exit``, ``cd``,
-``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``, ``||``, with ``$VAR``
-and ``>&2``), enough to exercise every
-code path of a transport. It runs nothing and isolates nothing: never use it outside tests.
+(``echo``, ``true``, ``false``, ``cat``, ``sleep``, ``pwd``, ``printenv``, ``id -u``/``-g``,
+``kill -SIG $$``, ``exit``, ``cd``, ``export``, ``K=V`` and ``sh -c`` scripts joined with ``;``, ``&&``,
+``||``, with ``$VAR`` and ``>&2``), enough to exercise every code path of a transport. The
+contract suite in tests/contract holds it to the real node's observable behaviour. It runs nothing and isolates nothing: never use it outside tests.
 
 Example:
     >>> import asyncio, corral
@@ -26,6 +26,7 @@ import posixpath
 import re
 import secrets
 import shlex
+import signal
 import string
 import tarfile
 import time
@@ -99,6 +100,7 @@ from corral.testing_backend import (  # noqa: E402
 _BASE_LAYER = "sha256:" + "0" * 64
 _PY_LAYER = "sha256:" + "1" * 64
 _ID_ALPHABET = string.digits + string.ascii_lowercase
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _TO_STDERR = "\0stderr"  # stands for ">&2" while a script is split into words
 _VAR_RE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
@@ -117,6 +119,10 @@ def _digest(name: str) -> str:
 class _Proc:
     info: ProcessInfo
     task: asyncio.Task[ExecResult]
+    out: dict[str, bytearray] = field(
+        default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()}
+    )
+    """Output so far, capped at the output limit (a node's init buffers it so)."""
 
 
 @dataclass
@@ -125,10 +131,16 @@ class _Shell:
     env: dict[str, str]
 
 
+_ETC = {
+    "/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
+    "/etc/group": b"root:x:0:\nnogroup:x:65534:\n",
+}
+
+
 @dataclass
 class _Sandbox:
     info: SandboxInfo
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=lambda: dict(_ETC))
     modes: dict[str, int] = field(default_factory=dict)
     links: dict[str, str] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/work", "/etc"})
@@ -154,10 +166,13 @@ class _Run:
         stdin: bytes | None,
         deadline: float | None,
         emit: Emit,
+        ids: tuple[int, int] = (0, 0),
     ) -> None:
         self.sb, self.env, self.cwd, self.stdin = sb, env, cwd, stdin
         self.deadline, self.emit = deadline, emit
+        self.uid, self.gid = ids
         self.timed_out = False
+        self.signal: int | None = None  # set by ``kill -SIG $$``: the script killed itself
 
 
 class FakeNode(NodeOps):
@@ -196,6 +211,7 @@ class FakeNode(NodeOps):
                 name=name, digest=_digest(name), layers=layers, created_at=now
             )
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._destroyed: dict[str, SandboxInfo] = {}  # as a node's state db keeps them
         self._events: list[Event] = []
         self.network_permissions: set[str] = {"pkgs", "npm"}
         """Permission names this fake node knows (a real node: its config)."""
@@ -218,6 +234,11 @@ class FakeNode(NodeOps):
     async def image_compose(
         self, name: str, layers: list[str], env: dict[str, str] | None = None, workdir: str = "/"
     ) -> ImageInfo:
+        from corral.images.store import check_image_name
+
+        check_image_name(name)
+        if not layers:
+            raise InvalidRequest(f"image {name!r} needs at least one layer")
         for digest in layers:
             if digest not in self._layers:
                 raise LayerNotFound(f"layer {digest} is not in the store")
@@ -260,7 +281,8 @@ class FakeNode(NodeOps):
         sb.info = sb.info.model_copy(
             update={"spec": sb.info.spec.model_copy(update={"network": policy})}
         )
-        self._event(sandbox_id, "network_updated", allow=",".join(policy.allow))
+        detail = {"allow": ",".join(policy.allow), "deny": ",".join(policy.deny)}
+        self._event(sandbox_id, "network_updated", **detail)
         return sb.info
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
@@ -283,7 +305,10 @@ class FakeNode(NodeOps):
             state="running",
             image=spec.image,
             image_digest=img.digest,
-            spec=spec,
+            layers=list(img.layers),
+            image_env=dict(img.env),
+            # as on a node: the image's workdir unless the spec names one
+            spec=spec if spec.workdir != "/" else spec.model_copy(update={"workdir": img.workdir}),
             created_at=now,
             last_active_at=now,
             backend=backend,
@@ -297,6 +322,8 @@ class FakeNode(NodeOps):
         return info
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
+        if sandbox_id in self._destroyed:
+            return self._destroyed[sandbox_id]
         return self._sb(sandbox_id, wake=False).info
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
@@ -318,7 +345,8 @@ class FakeNode(NodeOps):
         sb = self._sb(sandbox_id, wake=False)
         if sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
-            self._event(sandbox_id, "resumed", transparent="false", prefetch=str(prefetch).lower())
+            more = {"prefetch": True} if prefetch else {}
+            self._event(sandbox_id, "resumed", transparent=False, **more)
         return sb.info
 
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
@@ -380,6 +408,7 @@ class FakeNode(NodeOps):
         for p in sb.procs.values():
             p.task.cancel()
         del self._sandboxes[sandbox_id]
+        self._destroyed[sandbox_id] = sb.info.model_copy(update={"state": "destroyed"})
         self._event(sandbox_id, "destroyed")
 
     # ------------------------------------------------------------------ exec
@@ -388,7 +417,7 @@ class FakeNode(NodeOps):
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         result = await self._execute(sb, req, lambda s, d: out[s].extend(d))
         limit = self._limit(sb, req)
-        return result.model_copy(
+        result = result.model_copy(
             update={
                 "stdout": bytes(out["stdout"][:limit]),
                 "stderr": bytes(out["stderr"][:limit]),
@@ -396,6 +425,7 @@ class FakeNode(NodeOps):
                 "stderr_truncated": len(out["stderr"]) > limit,
             }
         )
+        return self._ended(sandbox_id, result)
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
@@ -423,19 +453,32 @@ class FakeNode(NodeOps):
             result = task.result()
         finally:
             task.cancel()
-        yield result.model_copy(
+        result = result.model_copy(
             update={
                 "stdout_truncated": truncated["stdout"],
                 "stderr_truncated": truncated["stderr"],
             }
         )
+        yield self._ended(sandbox_id, result)
 
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         sb = self._sb(sandbox_id)
+        if req.stdin is not None or req.tty:
+            raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
+        _user_ids(sb, req.user)  # an unknown user is refused here, not in the background
         self._next_pid += 1
         info = ProcessInfo(id=_new_id("p-", 8), pid=self._next_pid, cmd=req.cmd, running=True)
-        task = asyncio.ensure_future(self.exec(sandbox_id, req))
-        sb.procs[info.id] = _Proc(info=info, task=task)
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        limit = self._limit(sb, req)
+
+        def keep(stream: str, data: bytes) -> None:  # past the cap it runs on, unrecorded
+            out[stream].extend(data[: max(limit - len(out[stream]), 0)])
+
+        # A background process has no timeout (as on a node).
+        task = asyncio.ensure_future(
+            self._execute(sb, req.model_copy(update={"timeout": None}), keep)
+        )
+        sb.procs[info.id] = _Proc(info=info, task=task, out=out)
         return info
 
     async def process_get(
@@ -448,6 +491,8 @@ class FakeNode(NodeOps):
 
     async def process_kill(self, sandbox_id: str, process_id: str, signal: int = 9) -> None:
         proc = self._proc(sandbox_id, process_id)
+        if not 1 <= signal <= 64:
+            raise InvalidRequest(f"signal: {signal} is not a signal number (1-64)")
         if not proc.task.done():
             proc.task.cancel()
             proc.info = proc.info.model_copy(
@@ -461,16 +506,21 @@ class FakeNode(NodeOps):
             )
 
     async def process_list(self, sandbox_id: str) -> list[ProcessInfo]:
-        return [self._proc_info(p) for p in self._sb(sandbox_id).procs.values()]
+        """Every process started (ended ones too), without output or result (as a node)."""
+        return [
+            self._proc_info(p).model_copy(update={"stdout": b"", "stderr": b"", "result": None})
+            for p in self._sb(sandbox_id).procs.values()
+        ]
 
     def _proc_info(self, proc: _Proc) -> ProcessInfo:
         if proc.info.result is None and proc.task.done() and not proc.task.cancelled():
             proc.info = proc.info.model_copy(update={"result": proc.task.result()})
+        out = {k: bytes(v) for k, v in proc.out.items()}
         r = proc.info.result
         if r is None:
-            return proc.info
+            return proc.info.model_copy(update=out)
         return proc.info.model_copy(
-            update={"running": False, "stdout": r.stdout, "stderr": r.stderr}
+            update={"running": False, "result": r.model_copy(update=out), **out}
         )
 
     # ---------------------------------------------------------------- shells
@@ -481,7 +531,7 @@ class FakeNode(NodeOps):
         info = ShellInfo(
             id=_new_id("sh-", 8), cwd=cwd or sb.info.spec.workdir, created_at=time.time()
         )
-        sb.shells[info.id] = _Shell(info=info, env={**sb.info.spec.env, **(env or {})})
+        sb.shells[info.id] = _Shell(info=info, env=_env(sb, env or {}))
         return info
 
     async def shell_run(
@@ -496,6 +546,8 @@ class FakeNode(NodeOps):
         shell = sb.shells.get(shell_id)
         if shell is None:
             raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")
+        if "\0" in command:
+            raise InvalidRequest("command: cannot contain NUL bytes")
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         run = _Run(
             sb, shell.env, shell.info.cwd, stdin, _deadline(timeout), lambda s, d: out[s].extend(d)
@@ -503,9 +555,16 @@ class FakeNode(NodeOps):
         start = time.monotonic()
         code = await self._script(run, command)
         shell.info = shell.info.model_copy(update={"cwd": run.cwd})
-        return self._result(run, code, start).model_copy(
-            update={"stdout": bytes(out["stdout"]), "stderr": bytes(out["stderr"])}
+        limit = sb.info.spec.limits.output  # a shell command is an exec with the defaults
+        result = self._result(run, code, start).model_copy(
+            update={
+                "stdout": bytes(out["stdout"][:limit]),
+                "stderr": bytes(out["stderr"][:limit]),
+                "stdout_truncated": len(out["stdout"]) > limit,
+                "stderr_truncated": len(out["stderr"]) > limit,
+            }
         )
+        return self._ended(sandbox_id, result)
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         if self._sb(sandbox_id).shells.pop(shell_id, None) is None:
@@ -516,40 +575,62 @@ class FakeNode(NodeOps):
         self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None
     ) -> bytes:
         sb, p = self._sb(sandbox_id), _path(path)
-        if p in sb.dirs:
+        if offset < 0 or (length is not None and length < 0):
+            raise InvalidRequest(f"{p}: offset and length cannot be negative")
+        q = _resolve(sb, p)
+        if q in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
-        if p not in sb.files:
+        if q not in sb.files:
             raise NotFound(f"{p}: no such file in sandbox {sandbox_id}")
-        data = sb.files[p][offset:]
+        data = sb.files[q][offset:]
         return data if length is None else data[:length]
 
     async def file_write(
         self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
     ) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"{p}: mode {mode!r} is not a permission mode (0..0o7777)")
+        if path.endswith("/"):
+            raise InvalidRequest(f"{path!r}: a file path cannot end with '/'")
+        p = _resolve(sb, p, follow=False)
         if p in sb.dirs:
             raise InvalidRequest(f"{p} is a directory")
+        if append and p in sb.links:
+            raise PathRefused(f"{p}: is a symlink (not followed here)")
         self._mkdirs(sb, posixpath.dirname(p))
+        sb.links.pop(p, None)  # a write replaces a symlink, never writes through it
         sb.files[p] = (sb.files.get(p, b"") if append else b"") + data
         sb.modes[p] = mode
 
     async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
         sb, p = self._sb(sandbox_id), _path(path)
-        if p not in sb.dirs:
+        q = _resolve(sb, p)
+        if q in sb.files:
+            raise InvalidRequest(f"{p}: is not a directory")
+        if q not in sb.dirs:
             raise NotFound(f"{p}: no such directory in sandbox {sandbox_id}")
         names = {
-            x for x in (*sb.dirs, *sb.files, *sb.links) if x != p and posixpath.dirname(x) == p
+            x for x in (*sb.dirs, *sb.files, *sb.links) if x != q and posixpath.dirname(x) == q
         }
-        return [self._stat(sb, n) for n in sorted(names)]
+        return [
+            self._stat(sb, n).model_copy(update={"path": posixpath.join(p, posixpath.basename(n))})
+            for n in sorted(names)
+        ]
 
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
         sb, p = self._sb(sandbox_id), _path(path)
-        if p not in sb.dirs and p not in sb.files and p not in sb.links:
+        q = _resolve(sb, p, follow=False)
+        if q not in sb.dirs and q not in sb.files and q not in sb.links:
             raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
-        return self._stat(sb, p)
+        return self._stat(sb, q).model_copy(
+            update={"path": p, "name": posixpath.basename(p) or "/"}
+        )
 
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        if p == "/":
+            raise InvalidRequest("cannot remove the sandbox root '/'")
         if p in sb.files or p in sb.links:
             sb.files.pop(p, None)
             sb.links.pop(p, None)
@@ -558,7 +639,7 @@ class FakeNode(NodeOps):
             raise NotFound(f"{p}: no such file or directory in sandbox {sandbox_id}")
         inside = [x for x in (*sb.dirs, *sb.files, *sb.links) if x.startswith(p.rstrip("/") + "/")]
         if inside and not recursive:
-            raise Conflict(f"{p} is a non-empty directory; pass recursive=True to remove it")
+            raise InvalidRequest(f"{p}: directory is not empty (use recursive=True)")
         for x in inside:
             sb.files.pop(x, None)
             sb.links.pop(x, None)
@@ -571,7 +652,9 @@ class FakeNode(NodeOps):
         sb, p = self._sb(sandbox_id), _path(path)
         if not parents and posixpath.dirname(p) not in sb.dirs:
             raise NotFound(f"{posixpath.dirname(p)}: no such directory in sandbox {sandbox_id}")
-        self._mkdirs(sb, p)
+        if not parents and (p in sb.dirs or p in sb.files or p in sb.links):
+            raise Conflict(f"{p}: already exists")
+        self._mkdirs(sb, p, mode)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         sb, root = self._sb(sandbox_id), _path(path)
@@ -583,7 +666,7 @@ class FakeNode(NodeOps):
                     raise PathRefused(f"tar member {m.name!r} escapes {root}")
                 dest = posixpath.join(root, name)
                 if m.isdir():
-                    self._mkdirs(sb, dest)
+                    self._mkdirs(sb, dest, m.mode)
                 elif m.isfile():
                     f = tar.extractfile(m)
                     self._mkdirs(sb, posixpath.dirname(dest))
@@ -648,7 +731,12 @@ class FakeNode(NodeOps):
         positions = cursor_positions(after)
         check_events_limit(limit)
         since = positions.get(self.node_id, 0)
-        ids = None if labels is None else {s.id for s in await self.sandbox_list(labels)}
+        if sandbox_id is not None:
+            await self.sandbox_get(sandbox_id)  # unknown: SandboxNotFound, as on a node
+        ids = None
+        if labels is not None:
+            infos = [*(s.info for s in self._sandboxes.values()), *self._destroyed.values()]
+            ids = {i.id for i in infos if labels.items() <= i.spec.labels.items()}
         found = [
             e
             for e in self._events
@@ -787,11 +875,13 @@ class FakeNode(NodeOps):
     def _sb(self, sandbox_id: str, wake: bool = True) -> _Sandbox:
         """The sandbox; a request (``wake``) to a paused one resumes it, as a node does."""
         sb = self._sandboxes.get(sandbox_id)
+        if sb is None and sandbox_id in self._destroyed:
+            raise SandboxNotFound(f"sandbox {sandbox_id} is destroyed")
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id[:80]!r} on node {self.node_id}")
         if wake and sb.info.state == "paused":
             sb.info = sb.info.model_copy(update={"state": "running"})
-            self._event(sandbox_id, "resumed", transparent="true")
+            self._event(sandbox_id, "resumed", transparent=True)
         return sb
 
     def _proc(self, sandbox_id: str, process_id: str) -> _Proc:
@@ -800,7 +890,7 @@ class FakeNode(NodeOps):
             raise ProcessNotFound(f"no process {process_id!r} in sandbox {sandbox_id}")
         return proc
 
-    def _event(self, sandbox_id: str | None, kind: str, **detail: str) -> None:
+    def _event(self, sandbox_id: str | None, kind: str, **detail: str | bool) -> None:
         self._events.append(
             Event(
                 id=len(self._events) + 1,
@@ -815,12 +905,22 @@ class FakeNode(NodeOps):
     def _limit(sb: _Sandbox, req: ExecRequest) -> int:
         return sb.info.spec.limits.output if req.output_limit is None else req.output_limit
 
+    def _ended(self, sandbox_id: str, r: ExecResult) -> ExecResult:
+        """A foreground command's end as a node reports it: output past the cap stops it
+        (reason ``output_limit``), and the limits it ran into are events."""
+        if r.truncated and r.reason == "exited":
+            r = r.model_copy(update={"reason": "output_limit", "exit_code": None, "signal": 9})
+        if r.reason in ("timeout", "output_limit"):
+            self._event(sandbox_id, r.reason)
+        return r
+
     @staticmethod
-    def _mkdirs(sb: _Sandbox, p: str) -> None:
+    def _mkdirs(sb: _Sandbox, p: str, mode: int = 0o755) -> None:
         while p not in sb.dirs:
             if p in sb.files:
                 raise Conflict(f"{p} is a file, not a directory")
             sb.dirs.add(p)
+            sb.modes[p] = mode
             p = posixpath.dirname(p)
 
     @staticmethod
@@ -839,13 +939,16 @@ class FakeNode(NodeOps):
         )
 
     async def _execute(self, sb: _Sandbox, req: ExecRequest, emit: Emit) -> ExecResult:
-        env = {**sb.info.spec.env, **req.env}
-        run = _Run(
-            sb, env, req.cwd or sb.info.spec.workdir, req.stdin, _deadline(req.timeout), emit
-        )
+        ids = _user_ids(sb, req.user)
+        env = _env(sb, req.env, root=ids[0] == 0)
+        cwd = req.cwd or sb.info.spec.workdir
+        run = _Run(sb, env, cwd, req.stdin, _deadline(req.timeout), emit, ids)
         start = time.monotonic()
         name = posixpath.basename(req.cmd[0])
-        if name in ("sh", "bash") and len(req.cmd) >= 3 and req.cmd[1] == "-c":
+        if cwd not in sb.dirs:  # the init's chdir fails before the command starts
+            emit("stderr", f"corral-init: chdir {cwd}: No such file or directory\n".encode())
+            code = 126
+        elif name in ("sh", "bash") and len(req.cmd) >= 3 and req.cmd[1] == "-c":
             code = await self._script(run, req.cmd[2])
         else:
             code = await self._command(run, req.cmd)
@@ -856,6 +959,13 @@ class FakeNode(NodeOps):
         if run.timed_out:
             return ExecResult(
                 exit_code=None, signal=9, reason="timeout", duration=time.monotonic() - start
+            )
+        if run.signal is not None:
+            return ExecResult(
+                exit_code=None,
+                signal=run.signal,
+                reason="signaled",
+                duration=time.monotonic() - start,
             )
         return ExecResult(exit_code=code, reason="exited", duration=time.monotonic() - start)
 
@@ -881,7 +991,7 @@ class FakeNode(NodeOps):
                     run.emit = emit
                 else:
                     code = await self._command(run, words)
-                if run.timed_out:
+                if run.timed_out or run.signal is not None:
                     return code
             op, words = tok, []
         return code
@@ -923,6 +1033,12 @@ class FakeNode(NodeOps):
                     run.emit("stderr", f"cat: {a}: No such file or directory\n".encode())
                     return 1
                 run.emit("stdout", run.sb.files[p])
+        elif name == "kill" and len(args) == 2 and args[1] == "$$":
+            sig = args[0].lstrip("-").upper().removeprefix("SIG")
+            run.signal = int(sig) if sig.isdigit() else int(signal.Signals["SIG" + sig])
+            return -1
+        elif name == "id" and args in (["-u"], ["-g"]):
+            run.emit("stdout", f"{run.uid if args == ['-u'] else run.gid}\n".encode())
         elif name == "sleep":
             return await self._sleep(run, float(args[0]) if args else 0.0)
         else:
@@ -940,13 +1056,63 @@ class FakeNode(NodeOps):
         return 0
 
 
+def _env(sb: _Sandbox, extra: dict[str, str], root: bool = True) -> dict[str, str]:
+    """A command's environment as a node builds it: its defaults, then the image's, the
+    spec's and the request's (each over the one before)."""
+    env = {"PATH": _DEFAULT_PATH, "HOME": "/root", "HOSTNAME": sb.info.spec.hostname}
+    env.update(sb.info.image_env)
+    env.update(sb.info.spec.env)
+    if not root and "HOME" not in extra:
+        env["HOME"] = "/"
+    return {**env, **extra}
+
+
+def _user_ids(sb: _Sandbox, user: str | None) -> tuple[int, int]:
+    """``uid``, ``uid:gid`` or names, looked up in the sandbox's /etc files as a node does."""
+    if not user:
+        return 0, 0
+
+    def lookup(path: str, name: str, what: str) -> tuple[int, int]:
+        for line in sb.files.get(path, b"").decode(errors="replace").splitlines():
+            f = line.split(":")
+            if len(f) >= 3 and f[0] == name:
+                return int(f[2]), int(f[3]) if len(f) >= 4 and f[3].isdigit() else int(f[2])
+        raise InvalidRequest(f"user: no {what} {name!r} in the sandbox's {path}")
+
+    name, _, group = user.partition(":")
+    uid, gid = (int(name), int(name)) if name.isdigit() else lookup("/etc/passwd", name, "user")
+    if group:
+        gid = int(group) if group.isdigit() else lookup("/etc/group", group, "group")[0]
+    return uid, gid
+
+
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
+def _resolve(sb: _Sandbox, path: str, follow: bool = True) -> str:
+    """Where ``path`` leads as the node's openat2(RESOLVE_IN_ROOT) sees it: symlinks on the
+    way (the last one too with ``follow``) resolved, absolute ones from the sandbox's root."""
+    parts, at, hops = [x for x in path.split("/") if x], "/", 0
+    while parts:
+        nxt = posixpath.normpath(posixpath.join(at, parts.pop(0)))  # ".." stops at "/"
+        if nxt in sb.links and (parts or follow):
+            hops += 1
+            if hops > 40:
+                raise PathRefused(f"{path}: too many symlinks on the way")
+            target = sb.links[nxt]
+            at = "/" if target.startswith("/") else at
+            parts = [x for x in target.split("/") if x] + parts
+        else:
+            at = nxt
+    return at
+
+
 def _path(path: str) -> str:
-    if not path.startswith("/") or "\0" in path:
-        raise PathRefused(f"{path!r} must be an absolute path without NUL bytes")
+    if "\0" in path:
+        raise PathRefused(f"path {path[:200]!r} contains a NUL byte")
+    if not path.startswith("/"):
+        raise InvalidRequest(f"path {path!r} must be absolute inside the sandbox (start with /)")
     # normpath keeps a leading "//" (POSIX allows it to mean something else): fold it
     return posixpath.normpath("/" + path.lstrip("/"))
 

@@ -162,8 +162,8 @@ def test_willneed_over_all_of_a_process() -> None:
 # (FakeNode records the flag it got in its "resumed" event: the transports must carry it)
 
 
-async def _resumed_flags(sb: corral.Sandbox) -> list[str]:
-    return [e.detail.get("prefetch", "") for e in await sb.events() if e.kind == "resumed"]
+async def _resumed_flags(sb: corral.Sandbox) -> list[object]:
+    return [e.detail.get("prefetch", False) for e in await sb.events() if e.kind == "resumed"]
 
 
 async def test_prefetch_flag_through_every_transport(client: corral.AsyncClient) -> None:  # noqa: F811
@@ -177,7 +177,7 @@ async def test_prefetch_flag_through_every_transport(client: corral.AsyncClient)
     assert [s.id for s in got] == [sb.id]
     await sb.pause()
     await client.sandboxes.resume(labels={"job": "pf"})
-    assert await _resumed_flags(sb) == ["true", "false", "true", "false"]
+    assert await _resumed_flags(sb) == [True, False, True, False]
 
 
 def test_sync_client_prefetch(sync_client: corral.Client) -> None:  # noqa: F811
@@ -188,8 +188,8 @@ def test_sync_client_prefetch(sync_client: corral.Client) -> None:  # noqa: F811
     assert [s.id for s in sync_client.sandboxes.resume(labels={"job": "j"}, prefetch=True)] == [
         sb.id
     ]
-    flags = [e.detail["prefetch"] for e in sb.events() if e.kind == "resumed"]
-    assert flags == ["true", "true"]
+    flags = [e.detail.get("prefetch", False) for e in sb.events() if e.kind == "resumed"]
+    assert flags == [True, True]
 
 
 def test_cli_resume_prefetch(fake: FakeNode) -> None:  # noqa: F811
@@ -201,5 +201,9 @@ def test_cli_resume_prefetch(fake: FakeNode) -> None:  # noqa: F811
         r = cli("sandbox", "resume", *args)
         assert r.exit_code == 0, r.stderr
         assert r.stdout.split()[:2] == [sid, "running"]
-    flags = [e.detail["prefetch"] for e in asyncio.run(fake.events(sid)) if e.kind == "resumed"]
-    assert flags == ["true", "false", "true"]
+    flags = [
+        e.detail.get("prefetch", False)
+        for e in asyncio.run(fake.events(sid))
+        if e.kind == "resumed"
+    ]
+    assert flags == [True, False, True]
