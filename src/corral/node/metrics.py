@@ -338,6 +338,17 @@ class NodeMetrics:
             self._fncall.labels(self._kinds.get(language), self._kinds.get(verdict)).inc()
 
     # ---------------------------------------------------------------- the API's side
+    def op_counts(self) -> dict[str, int]:
+        """Operations finished so far, by operation (all labels summed): the live feed
+        turns two of these into rates."""
+        out: dict[str, int] = {}
+        for fam in self._op.collect():
+            for s in fam.samples:
+                if s.name.endswith("_count"):
+                    op = s.labels["op"]
+                    out[op] = out.get(op, 0) + int(s.value)
+        return out
+
     def render(self) -> bytes:
         """Everything in the Prometheus text format (:data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
