@@ -42,6 +42,7 @@ async function api(path) {
 const state = {
   filter: { label: "", state: "", backend: "" },
   securityKinds: new Set(),
+  jobs: new Set(),          // every job label seen (the filter must not hide the others)
   lastOps: null,
   series: { t: [], running: [], paused: [], other: [], creates: [], execs: [], mem: [] },
   plots: {},
@@ -59,7 +60,8 @@ function makePlot(id, series, colors) {
   const width = Math.max(320, target.clientWidth || 380);
   const opts = {
     width, height: 180,
-    scales: { x: { time: true } },
+    // at least the last minute, so one sample is not stretched over years
+    scales: { x: { time: true, range: (u, min, max) => [max - Math.max(60, max - min), max] } },
     axes: [{}, { size: 50 }],
     series: [{}, ...series.map((label, i) => ({ label, stroke: colors[i], width: 1.5 }))],
     legend: { live: false },
@@ -87,10 +89,11 @@ function pushSample(msg) {
   s.t.push(msg.t); s.running.push(running); s.paused.push(paused); s.other.push(total - running - paused);
   s.creates.push(creates); s.execs.push(execs); s.mem.push((msg.node.mem_available || 0) / 2 ** 30);
   if (s.t.length > MAX_POINTS) for (const k of Object.keys(s)) s[k].shift();
+  $("#c-rates").textContent = `${creates.toFixed(1)} · ${execs.toFixed(1)}`;
+  if (s.t.length < 2) return;  // uPlot spreads a lone time sample over a day
   state.plots.sandboxes.setData([s.t, s.running, s.paused, s.other]);
   state.plots.ops.setData([s.t, s.creates, s.execs]);
   state.plots.mem.setData([s.t, s.mem]);
-  $("#c-rates").textContent = `${creates.toFixed(1)} · ${execs.toFixed(1)}`;
 }
 
 // ------------------------------------------------------------------ node cards
@@ -130,8 +133,8 @@ async function loadSandboxes() {
     return tr;
   }));
   $("#f-count").textContent = `${rows.length} shown${rows.length > 1000 ? " (first 1000 listed)" : ""}`;
-  const jobs = new Set(list.map((s) => (s.spec.labels || {}).job).filter(Boolean));
-  showJobs(jobs);
+  for (const s of list) if ((s.spec.labels || {}).job) state.jobs.add(s.spec.labels.job);
+  showJobs(state.jobs);
 }
 
 function fillSelect(sel, values) {
