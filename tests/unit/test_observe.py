@@ -321,3 +321,14 @@ async def test_ui_proxy_one_time_token_and_read_only(
                 r = await late.get(proxy.login_url)  # spent
                 assert r.status_code == 401
     assert time.time() > 0
+
+
+def test_lifecycle_is_one_json_line(short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    obs = Observer(StateStore(short_dir / "s.db"), NodeMetrics())
+    with caplog.at_level("INFO", logger="corral.lifecycle"):
+        obs.record("create", 0.5, {"rootfs": 0.1}, sandbox_id="sb-1", labels={"job": "j"})
+        obs.record("exec", 0.001, {}, sandbox_id="sb-1")  # not a lifecycle action
+        obs.record("destroy", 0.2, {}, sandbox_id="sb-1", failed=True)
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    assert [(x["op"], x["ok"]) for x in lines] == [("create", True), ("destroy", False)]
+    assert lines[0]["phases"] == {"rootfs": 0.1} and lines[0]["labels"] == {"job": "j"}

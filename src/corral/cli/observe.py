@@ -65,6 +65,8 @@ class _Frame:
 
 
 def _ms(s: float) -> str:
+    if s < 0.001:
+        return f"{s * 1e6:.0f} µs"
     return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -131,12 +133,9 @@ def render(frame: _Frame, labels: dict[str, str]) -> Group:
     if not frame.events:
         ev.add_row("-", "none", "", "")
     stamp = time.strftime("%H:%M:%S", time.localtime(frame.at))
-    return Group(
-        Panel(Group(head, rates), title=f"corral top · {stamp}"),
-        by,
-        lat,
-        ev,
-    )
+    side = Table.grid(padding=(0, 4))
+    side.add_row(by, ev)
+    return Group(Panel(Group(head, rates), title=f"corral top · {stamp}"), side, lat)
 
 
 async def _frame(

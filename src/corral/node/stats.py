@@ -15,6 +15,10 @@ Trade-offs:
 - **Bounded reads.** ``stats`` reads at most ``max_rows`` timings (the newest in the
   range; ``Stats.truncated`` says so), whatever range was asked: a huge range costs the
   same as a large one.
+- **Structured logs.** Every lifecycle operation (not exec: too many, and its figures
+  are in the histograms) is also one JSON line on the ``corral.lifecycle`` logger:
+  sandbox id, op, seconds, phases, the sandbox's labels; never guest output. Nothing
+  is formatted unless a handler wants INFO.
 - **Events counted at scrape time.** Metrics count events from the state store's events
   table (new rows since the last scrape), so no event writer needs a metrics hook.
 
@@ -28,6 +32,8 @@ Example:
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 import threading
@@ -42,6 +48,8 @@ from corral.spec import OpStats, Percentiles, Stats, TimelineEntry
 __all__ = ["Observer", "percentiles", "parse_label_filter"]
 
 _FLUSH_AT = 512
+_LIFECYCLE = frozenset({"create", "destroy", "pause", "resume", "fork", "snapshot"})
+lifecycle_log = logging.getLogger("corral.lifecycle")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
 
 
@@ -118,6 +126,23 @@ class Observer:
         if not self.metrics.enabled:
             return
         self.metrics.observe(op, seconds, phases, labels, backend, qos, failed=failed)
+        if op in _LIFECYCLE and lifecycle_log.isEnabledFor(logging.INFO):
+            lifecycle_log.info(
+                json.dumps(
+                    {
+                        "time": round(time.time(), 6),
+                        "op": op,
+                        "sandbox_id": sandbox_id,
+                        "ok": not failed,
+                        "seconds": round(seconds, 6),
+                        "phases": {k: round(v, 6) for k, v in (phases or {}).items()},
+                        "labels": dict(labels or {}),
+                        "backend": backend,
+                        "qos": qos,
+                    },
+                    separators=(",", ":"),
+                )
+            )
         if failed:
             return
         row: Timing = (sandbox_id, op, time.time(), seconds, dict(phases or {}), dict(labels or {}))

@@ -1,0 +1,97 @@
+"""``corral top``: one screen through the CLI runner, and the live view under tmux."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import corral
+from corral.cli import app as cli_app
+from corral.sdk._http import HTTPOps
+from corral.spec import ExecRequest, SandboxSpec
+from tests.observe_fakes import ObservedFakeNode, observed_app, serve, uds_socket
+
+SRC = Path(__file__).parents[2] / "src"
+ARTIFACTS = Path(os.environ.get("CORRAL_TEST_ARTIFACTS", "/tmp/corral-test-artifacts"))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="corral-top-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_top_once_shows_the_figures(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = ObservedFakeNode(short_dir)
+
+    async def setup() -> None:
+        info = await node.sandbox_create(SandboxSpec(image="demo/python", labels={"job": "t1"}))
+        await node.exec(info.id, ExecRequest(cmd=["true"]))
+        node.record_event(info.id, "seccomp", syscall="bpf")
+
+    asyncio.run(setup())
+    monkeypatch.setattr(cli_app, "_client_factory", lambda g: corral.AsyncClient(ops=node))
+    args = ["top", "--once", "--label", "job=t1"]
+    r = CliRunner().invoke(cli_app.app, args, env={"COLUMNS": "160"})
+    assert r.exit_code == 0, r.output
+    for text in ("corral top", "running", "best_effort", "create", "runtime_start", "seccomp"):
+        assert text in r.output, (text, r.output)
+
+
+def _tmux(sock: str, *args: str) -> str:
+    return subprocess.run(
+        ["tmux", "-L", sock, *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+
+
+async def _screen_shows(sock: str, *texts: str) -> str:
+    """Poll the pane until it shows every text (a readiness condition, no fixed sleep)."""
+    screen = ""
+    for _ in range(600):
+        screen = await asyncio.to_thread(_tmux, sock, "capture-pane", "-p", "-t", "top")
+        if all(t in screen for t in texts):
+            return screen
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"corral top never showed {texts}; screen:\n{screen}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+async def test_top_live_under_tmux(short_dir: Path) -> None:
+    node = ObservedFakeNode(short_dir)
+    api = short_dir / "api.sock"
+    sock = f"corral-top-{os.getpid()}"
+    async with serve(observed_app(node), uds_socket(api)):
+        ops = HTTPOps(f"unix://{api}")
+        cmd = (
+            f"env -u COLUMNS -u LINES PYTHONPATH={SRC} {sys.executable} -c 'from corral.cli import main; main()' "
+            f"--node unix://{api} top --interval 0.3 --label job=live"
+        )
+        _tmux(sock, "new-session", "-d", "-s", "top", "-x", "160", "-y", "60", cmd)
+        try:
+            await _screen_shows(sock, "corral top", "(no operations yet)")
+            info = await ops.sandbox_create(
+                SandboxSpec(image="demo/python", labels={"job": "live"})
+            )
+            await ops.exec(info.id, ExecRequest(cmd=["true"]))
+            screen = await _screen_shows(sock, "runtime_start", "agent_round_trip", "running")
+            assert "job=live" in screen
+            node.record_event(info.id, "seccomp", syscall="keyctl")
+            screen = await _screen_shows(sock, "seccomp", info.id)
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "top.txt").write_text(screen)
+        finally:
+            subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True, timeout=30)
+            await ops.close()
+            await node.close()
