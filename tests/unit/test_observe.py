@@ -332,3 +332,22 @@ def test_lifecycle_is_one_json_line(short_dir: Path, caplog: pytest.LogCaptureFi
     lines = [json.loads(r.getMessage()) for r in caplog.records]
     assert [(x["op"], x["ok"]) for x in lines] == [("create", True), ("destroy", False)]
     assert lines[0]["phases"] == {"rootfs": 0.1} and lines[0]["labels"] == {"job": "j"}
+
+
+# ---------------------------------------------------------------- bench
+async def test_metrics_overhead_interleaves_on_and_off(node: ObservedFakeNode) -> None:
+    from corral.bench.metrics_overhead import measure
+
+    info = await node.sandbox_create(SandboxSpec(image="demo/python"))
+    seen: list[bool] = []
+
+    async def op(i: int) -> None:
+        seen.append(node.observer.metrics.enabled)
+        await node.exec(info.id, ExecRequest(cmd=["true"]))
+
+    out = await measure(node, op, count=25)
+    assert out["on"]["count"] == 25 and out["off"]["count"] == 25
+    assert seen[:10] == [True] * 10 and seen[10:20] == [False] * 10  # interleaved blocks
+    assert node.observer.metrics.enabled  # restored
+    assert out["record_cost_us"] > 0
+    assert (await measure(object(), op, 1))["skipped"]
