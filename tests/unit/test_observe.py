@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import corral
-from corral.api.observe import LiveFeed, metrics_app
+from corral.api.observe import LiveFeed, MetricsServer
 from corral.api.ui_proxy import UIProxy
 from corral.errors import InvalidRequest
 from corral.node.metrics import MetricsConfig, NodeGauges, NodeMetrics, PhaseTimer
@@ -254,10 +254,10 @@ async def test_metrics_on_tcp_need_the_token(node: ObservedFakeNode) -> None:
 
 
 async def test_separate_metrics_listener_serves_only_metrics(node: ObservedFakeNode) -> None:
-    sock = tcp_socket()
-    port = sock.getsockname()[1]
-    async with serve(metrics_app(node.observer), sock):
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+    with pytest.raises(InvalidRequest, match="host:port"):
+        MetricsServer(node.observer, "nowhere")
+    async with MetricsServer(node.observer, "127.0.0.1:0") as srv:
+        async with httpx.AsyncClient(base_url=f"http://{srv.address}") as http:
             assert (await http.get("/metrics")).status_code == 200
             r = await http.get("/v1/sandboxes")
             assert r.status_code == 404 and "only GET /metrics" in r.json()["error"]["message"]

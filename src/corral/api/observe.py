@@ -23,22 +23,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import Response, StreamingResponse
 
-from corral.errors import InvalidRequest, NotFound
+from corral.api.server import _Server
+from corral.errors import HostError, InvalidRequest, NotFound
 from corral.node.metrics import CONTENT_TYPE
 from corral.node.security import SECURITY_KINDS
 from corral.node.stats import Observer, parse_label_filter
 from corral.ops import NodeOps
 from corral.spec import Stats, TimelineEntry
 
-__all__ = ["LiveFeed", "metrics_app", "observe_router"]
+__all__ = ["LiveFeed", "MetricsServer", "metrics_app", "observe_router"]
 
 log = logging.getLogger("corral.api")
 
@@ -290,3 +293,62 @@ def metrics_app(observer: Observer) -> FastAPI:
     app.add_exception_handler(404, not_here)
     app.add_exception_handler(405, not_here)
     return app
+
+
+class MetricsServer:
+    """The separate, token-free metrics listener (``[node.metrics] listen``): serves
+    :func:`metrics_app` on ``host:port`` until stopped.
+
+    Example:
+        >>> async with MetricsServer(node.observer, "0.0.0.0:9470") as m:   # doctest: +SKIP
+        ...     print(m.address)
+    """
+
+    def __init__(self, observer: Observer, listen: str) -> None:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidRequest(f"metrics listen address {listen!r} must be host:port")
+        self._host, self._port = host.strip("[]"), int(port)
+        self._app = metrics_app(observer)
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise HostError(
+                f"cannot listen for metrics on {self._host}:{self._port}: {exc}"
+            ) from exc
+        self.address = f"{self._host}:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            self._app, lifespan="off", log_config=None, access_log=False, server_header=False
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise HostError(f"the metrics listener on {self.address} stopped while starting")
+            await asyncio.sleep(0.005)
+        log.info("corral metrics on http://%s/metrics", self.address)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def __aenter__(self) -> MetricsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
