@@ -33,8 +33,7 @@ class ObservedFakeNode(FakeNode):
     def __init__(self, state_dir: Path, config: MetricsConfig | None = None) -> None:
         super().__init__()
         self.store = StateStore(state_dir / "state.db")
-        metrics = NodeMetrics(config or MetricsConfig(), gauges=None)
-        metrics.security_kinds = frozenset(SECURITY_KINDS)
+        metrics = NodeMetrics(config or MetricsConfig(), security_kinds=SECURITY_KINDS)
         self.observer = Observer(self.store, metrics)
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:

@@ -43,8 +43,7 @@ def observer(node) -> Iterator[Observer]:  # type: ignore[no-untyped-def]
             layer_files=[node.store.path_of(d) for d in node.layers.mounted()],
         )
 
-    metrics = NodeMetrics(MetricsConfig(job_labels=["job"]), gauges=gauges)
-    metrics.security_kinds = frozenset(SECURITY_KINDS)
+    metrics = NodeMetrics(MetricsConfig(job_labels=["job"]), gauges, SECURITY_KINDS)
     yield Observer(node.state, metrics)
 
 

@@ -77,8 +77,7 @@ def test_phase_timer_adds_phases() -> None:
 
 def test_render_parses_and_counters_move() -> None:
     g = NodeGauges(sandboxes={("running", "container", "latency"): 3}, capacity=10, mem_total=5)
-    m = NodeMetrics(MetricsConfig(), gauges=lambda: g)
-    m.security_kinds = frozenset({"seccomp"})
+    m = NodeMetrics(MetricsConfig(), gauges=lambda: g, security_kinds={"seccomp"})
     before = families(m.render().decode())
     assert sample(before, "corral_op_duration_seconds_count", op="create") == 0
     m.observe("create", 0.2, {"rootfs": 0.05, "bogus": 1.0}, {"job": "a"}, "container", "latency")
@@ -190,8 +189,7 @@ def test_stats_bad_input(short_dir: Path) -> None:
 def test_events_are_counted_at_scrape_time(short_dir: Path) -> None:
     st = StateStore(short_dir / "s.db")
     st.add_event("sb-old", "seccomp", {})  # before the node started counting: not counted
-    m = NodeMetrics()
-    m.security_kinds = frozenset({"seccomp"})
+    m = NodeMetrics(security_kinds={"seccomp"})
     obs = Observer(st, m)
     st.add_event("sb-1", "seccomp", {"count": 4})
     st.add_event("sb-1", "created", {})

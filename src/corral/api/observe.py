@@ -194,12 +194,14 @@ def _range(since: float | None, until: float | None) -> tuple[float | None, floa
     return since, until
 
 
-def observe_router(ops: NodeOps, observer: Observer | None) -> APIRouter:
+def observe_router(
+    ops: NodeOps, observer: Observer | None, feed: LiveFeed | None = None
+) -> APIRouter:
     """The routes of this module over ``ops`` and the node's ``observer`` (None: the node
-    keeps no metrics; ``/metrics`` and ``/v1/stats`` answer 404 saying so)."""
+    keeps no metrics; ``/metrics`` and ``/v1/stats`` answer 404 saying so). ``feed``: the
+    live feed to serve (default: a new one; pass your own to ``close()`` it at stop)."""
     r = APIRouter()
-    feed = LiveFeed(ops, observer)
-    r.live_feed = feed  # type: ignore[attr-defined]  # for the server's stop and tests
+    feed = feed or LiveFeed(ops, observer)
 
     def need() -> Observer:
         if observer is None:

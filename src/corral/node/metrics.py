@@ -221,6 +221,7 @@ class NodeMetrics:
         self,
         config: MetricsConfig | None = None,
         gauges: Callable[[], NodeGauges] | None = None,
+        security_kinds: Iterable[str] = (),
     ) -> None:
         self.config = config or MetricsConfig()
         self.enabled = self.config.enabled
@@ -287,8 +288,8 @@ class NodeMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Histogram] = {}
         self._gauges = _GaugeCollector(gauges)
         r.register(self._gauges)
-        self.security_kinds: frozenset[str] = frozenset()
-        """Event kinds that also count as security events (the node sets them from
+        self.security_kinds = frozenset(security_kinds)
+        """Event kinds that also count as security events (the node passes
         ``corral.node.security.SECURITY_KINDS``)."""
 
     # ------------------------------------------------------------- the node's side
