@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_real_node_metrics_and_stats(node, observer: Observer) -> None:  # type: ignore[no-untyped-def]
-    labels = {"job": "obs-real"}
+    # unique per run: the test node's state dir (and its timings) outlives a run
+    job = f"obs-real-{uuid.uuid4().hex[:8]}"
+    labels = {"job": job}
     spec = SandboxSpec(image="test/busybox", labels=labels)
     creates, execs = [], []
     infos = []
@@ -80,7 +83,7 @@ async def test_real_node_metrics_and_stats(node, observer: Observer) -> None:  #
         execs.append(secs)
     text = (await asyncio.to_thread(observer.render)).decode()
     s = _samples(text)
-    key = ("corral_op_duration_seconds_count", (("backend", "container"), ("label_job", "obs-real"), ("op", "create"), ("qos", "best_effort")))  # fmt: skip
+    key = ("corral_op_duration_seconds_count", (("backend", "container"), ("label_job", job), ("op", "create"), ("qos", "best_effort")))  # fmt: skip
     assert s[key] == 2
     running = sum(
         v for (n, lb), v in s.items() if n == "corral_sandboxes" and ("state", "running") in lb
@@ -196,9 +199,10 @@ async def test_prometheus_scrapes_the_node(node, observer: Observer, prometheus)
             await _until(http, 'up{job="corral"}', lambda r: r and r[0]["value"][1] == "1", "up")
             # one create, seen by Prometheus, then two more: the series exists before
             # them, so rate() in the recording rule sees an increase
-            labels = {"job": "obs-prom"}
+            job = f"obs-prom-{uuid.uuid4().hex[:8]}"
+            labels = {"job": job}
             spec = SandboxSpec(image="test/busybox", labels=labels)
-            count_q = 'sum(corral_op_duration_seconds_count{op="create",label_job="obs-prom"})'
+            count_q = f'sum(corral_op_duration_seconds_count{{op="create",label_job="{job}"}})'
             made, measured = [], []
             for n in (1, 3):
                 while len(made) < n:
@@ -213,7 +217,7 @@ async def test_prometheus_scrapes_the_node(node, observer: Observer, prometheus)
             p99 = await _query(
                 http,
                 "histogram_quantile(0.99, sum by (le) "
-                '(corral_op_duration_seconds_bucket{op="create",label_job="obs-prom"}))',
+                f'(corral_op_duration_seconds_bucket{{op="create",label_job="{job}"}}))',
             )
             value = float(p99[0]["value"][1])
             # histogram_quantile interpolates inside the bucket holding the slowest create
