@@ -21,9 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corral.api.observe import metrics_app
-from corral.node.gauges import HostSampler
-from corral.node.metrics import MetricsConfig, NodeGauges, NodeMetrics, PhaseTimer
-from corral.node.security import SECURITY_KINDS
+from corral.node.metrics import MetricsConfig, PhaseTimer
 from corral.node.stats import Observer
 from corral.spec import ExecRequest, SandboxSpec
 from tests.observe_fakes import serve, tcp_socket
@@ -34,18 +32,15 @@ RULES = Path(__file__).parents[2] / "docs" / "prometheus" / "corral.rules.yml"
 
 @pytest.fixture
 def observer(node) -> Iterator[Observer]:  # type: ignore[no-untyped-def]
-    sampler = HostSampler()
-
-    def gauges() -> NodeGauges:
-        return sampler.sample(
-            list(node._live.values()),
-            capacity=node.config.max_sandboxes,
-            scratch_dir=node.scratch.mountpoint,
-            layer_files=[node.store.path_of(d) for d in node.layers.mounted()],
-        )
-
-    metrics = NodeMetrics(MetricsConfig(job_labels=["job"]), gauges, SECURITY_KINDS)
-    yield Observer(node.state, metrics)
+    """What the node is to build at open (see Observer.for_node)."""
+    yield Observer.for_node(
+        node.state,
+        MetricsConfig(job_labels=["job"]),
+        live=lambda: list(node._live.values()),
+        capacity=node.config.max_sandboxes,
+        scratch_dir=node.scratch.mountpoint,
+        layer_files=lambda: [node.store.path_of(d) for d in node.layers.mounted()],
+    )
 
 
 async def _timed(obs: Observer, op: str, coro, sandbox_id=None, labels=None):  # type: ignore[no-untyped-def]

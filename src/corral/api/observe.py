@@ -143,8 +143,9 @@ class LiveFeed:
         for info in sandboxes:
             states[info.state] = states.get(info.state, 0) + 1
         if self._last_event is None:
-            recent = await self._ops.events(since_id=0)
-            events = recent[-50:]
+            # a new feed starts with the last 50 events, not the whole log
+            start = self._observer.state.last_event_id() - 50 if self._observer else 0
+            events = (await self._ops.events(since_id=max(0, start)))[-50:]
         else:
             events = (await self._ops.events(since_id=self._last_event))[:_EVENTS_PER_TICK]
         if events:

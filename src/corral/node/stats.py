@@ -38,12 +38,15 @@ import math
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 from corral.errors import InvalidRequest
-from corral.node.metrics import NodeMetrics
+from corral.node.gauges import HostSampler
+from corral.node.metrics import MetricsConfig, NodeGauges, NodeMetrics
+from corral.node.security import SECURITY_KINDS
 from corral.node.state import StateStore, Timing
-from corral.spec import OpStats, Percentiles, Stats, TimelineEntry
+from corral.spec import OpStats, Percentiles, SandboxInfo, Stats, TimelineEntry
 
 __all__ = ["Observer", "percentiles", "parse_label_filter"]
 
@@ -108,6 +111,31 @@ class Observer:
         # count only events recorded from now on: counters restart with the process,
         # which Prometheus' rate() understands as a reset
         self._events_seen = state.last_event_id()
+
+    @classmethod
+    def for_node(
+        cls,
+        state: StateStore,
+        config: MetricsConfig,
+        *,
+        live: Callable[[], Iterable[SandboxInfo]],
+        capacity: int,
+        scratch_dir: Path | None,
+        layer_files: Callable[[], Iterable[Path]],
+    ) -> Observer:
+        """The node's observer: metrics with the host gauges and the security kinds.
+
+        ``live`` and ``layer_files`` are called at scrape time, in a worker thread: give
+        snapshots (``lambda: list(node._live.values())``), not live iterators.
+        """
+        sampler = HostSampler()
+
+        def gauges() -> NodeGauges:
+            return sampler.sample(
+                live(), capacity=capacity, scratch_dir=scratch_dir, layer_files=layer_files()
+            )
+
+        return cls(state, NodeMetrics(config, gauges, SECURITY_KINDS))
 
     # ------------------------------------------------------------- the node's side
     def record(
