@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -95,3 +96,39 @@ async def test_top_live_under_tmux(short_dir: Path) -> None:
             subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True, timeout=30)
             await ops.close()
             await node.close()
+
+
+async def test_corral_ui_prints_a_one_time_url(short_dir: Path) -> None:
+    node = ObservedFakeNode(short_dir)
+    api = short_dir / "api.sock"
+    async with serve(observed_app(node), uds_socket(api)):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "from corral.cli import main; main()",
+            "--node",
+            f"unix://{api}",
+            "ui",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(SRC)},
+        )
+        try:
+            assert proc.stdout is not None
+            header = await proc.stdout.readline()
+            assert b"corral dashboard of unix://" in header
+            url = (await proc.stdout.readline()).decode().strip()
+            assert url.startswith("http://127.0.0.1:") and "/ui?token=" in url
+            async with httpx.AsyncClient(follow_redirects=True) as browser:
+                r = await browser.get(url)
+                assert r.status_code == 200 and "<title>corral node</title>" in r.text
+                assert (await browser.get(url)).status_code == 401  # spent
+        finally:
+            proc.terminate()
+            await proc.wait()
+        await node.close()
+
+
+def test_corral_ui_needs_a_running_node(short_dir: Path) -> None:
+    r = CliRunner().invoke(cli_app.app, ["--state-dir", str(short_dir), "ui"])
+    assert r.exit_code == 2 and "corral node serve" in r.output
