@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -40,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "CONTENT_TYPE",
@@ -117,15 +118,18 @@ class MetricsConfig(BaseModel):
     """How many of the newest per-sandbox timing rows the state store keeps (for
     ``stats`` and the timeline)."""
 
-    def model_post_init(self, _: object) -> None:
-        import re
-
-        for key in self.job_labels:
+    @field_validator("job_labels")
+    @classmethod
+    def _job_labels(cls, keys: list[str]) -> list[str]:
+        for key in keys:
             if not re.match(_LABEL_KEY_RE, key):
                 raise ValueError(
                     f"metrics job label {key!r} must be 1-41 of [a-zA-Z0-9_] starting with a "
                     "letter or _ (it becomes the Prometheus label label_<key>)"
                 )
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"metrics job labels {keys} name a key twice")
+        return keys
 
 
 class PhaseTimer:

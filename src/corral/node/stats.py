@@ -111,6 +111,7 @@ class Observer:
         # count only events recorded from now on: counters restart with the process,
         # which Prometheus' rate() understands as a reset
         self._events_seen = state.last_event_id()
+        self._events_lock = threading.Lock()
 
     @classmethod
     def for_node(
@@ -190,10 +191,11 @@ class Observer:
 
     def sync_events(self) -> None:
         """Count the events recorded since the last call into the metrics."""
-        top, counts = self.state.event_kinds_since(self._events_seen)
-        self._events_seen = top
-        for kind, n in counts.items():
-            self.metrics.event(kind, n)
+        with self._events_lock:  # two scrapes at once must not count a row twice
+            top, counts = self.state.event_kinds_since(self._events_seen)
+            self._events_seen = top
+            for kind, n in counts.items():
+                self.metrics.event(kind, n)
 
     # ---------------------------------------------------------------- the API's side
     def render(self) -> bytes:
