@@ -89,7 +89,9 @@ async def test_dashboard_in_chromium(browser_context: object) -> None:
                 rows = page.locator("#sandboxes tbody tr")
                 await playwright_api.expect(rows).to_have_count(3)
                 for sid in made:
-                    await playwright_api.expect(page.locator(f"tr[data-id='{sid}']")).to_be_visible()
+                    await playwright_api.expect(
+                        page.locator(f"tr[data-id='{sid}']")
+                    ).to_be_visible()
                 await playwright_api.expect(page.locator("#live")).to_have_text("live")
                 await playwright_api.expect(page.locator("#c-sandboxes")).to_have_text("3")
                 await playwright_api.expect(page.locator("#stats tbody")).to_contain_text("create")
@@ -118,7 +120,9 @@ async def test_dashboard_in_chromium(browser_context: object) -> None:
                 await playwright_api.expect(page.locator("#timeline-box")).to_be_visible()
                 await playwright_api.expect(tl.first).to_contain_text("create")
                 await playwright_api.expect(page.locator("#timeline")).to_contain_text("seccomp")
-                await page.screenshot(path=str(ARTIFACTS / "dashboard-filtered.png"), full_page=True)
+                await page.screenshot(
+                    path=str(ARTIFACTS / "dashboard-filtered.png"), full_page=True
+                )
                 await page.close()
                 assert problems == []
             await ops.close()
