@@ -132,3 +132,12 @@ async def test_corral_ui_prints_a_one_time_url(short_dir: Path) -> None:
 def test_corral_ui_needs_a_running_node(short_dir: Path) -> None:
     r = CliRunner().invoke(cli_app.app, ["--state-dir", str(short_dir), "ui"])
     assert r.exit_code == 2 and "corral node serve" in r.output
+
+
+def test_top_on_a_node_without_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.testing import FakeNode
+
+    monkeypatch.setattr(cli_app, "_client_factory", lambda g: corral.AsyncClient(ops=FakeNode()))
+    r = CliRunner().invoke(cli_app.app, ["top", "--once"], env={"COLUMNS": "160"})
+    assert r.exit_code == 0, r.output
+    assert "(no operations yet)" in r.output and "corral top" in r.output

@@ -28,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from corral.cli._context import EMBEDDED, Globals, human_bytes, out, parse_pairs
-from corral.errors import InvalidRequest
+from corral.errors import InvalidRequest, NotFound
 from corral.sdk._stats import fetch_stats
 from corral.spec import Event, NodeStatus, SandboxInfo, Stats
 
@@ -138,6 +138,15 @@ def render(frame: _Frame, labels: dict[str, str]) -> Group:
     return Group(Panel(Group(head, rates), title=f"corral top · {stamp}"), side, lat)
 
 
+async def _stats(ops: Any, labels: dict[str, str], since: float) -> Stats:
+    """The node's stats, or empty ones from a node that keeps none (older, or metrics
+    off): top still shows everything else."""
+    try:
+        return await fetch_stats(ops, labels or None, since=since)
+    except (NotFound, InvalidRequest):
+        return Stats(labels=labels, since=since)
+
+
 async def _frame(
     ops: Any, labels: dict[str, str], events: deque[Event], since: list[int]
 ) -> _Frame:
@@ -145,8 +154,8 @@ async def _frame(
     status, sandboxes, recent, window, new = await asyncio.gather(
         ops.node_status(),
         ops.sandbox_list(labels=labels or None),
-        fetch_stats(ops, labels or None, since=now - _RATE_WINDOW),
-        fetch_stats(ops, labels or None, since=now - _PCT_WINDOW),
+        _stats(ops, labels, now - _RATE_WINDOW),
+        _stats(ops, labels, now - _PCT_WINDOW),
         ops.events(since_id=since[0], labels=labels or None, kinds=list(_SECURITY)),
     )
     if new:
