@@ -4,15 +4,25 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftables iproute2 \
                 busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
+# what only the tests need: a real Prometheus, the dashboard's browser, tmux for `corral top`
+TEST_APT_PACKAGES := prometheus chromium tmux
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint gen deps venv bench clean-node
+.PHONY: demo test lint gen deps test-deps venv bench clean-node
 
 demo: venv
 	$(VENV)/bin/corral demo
 
-test: venv
+test: venv test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-deps: venv $(VENV)/.installed-ui
+	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(TEST_APT_PACKAGES)"
+
+$(VENV)/.installed-ui: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev,ui]'
+	touch $@
+
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

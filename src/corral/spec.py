@@ -757,3 +757,61 @@ class JudgeResult(_Model):
     @property
     def passed(self) -> int:
         return sum(1 for c in self.cases if c.verdict == "AC")
+
+
+# ---------------------------------------------------------------- stats (issue 14)
+class Percentiles(_Model):
+    """Nearest-rank percentiles of ``count`` durations, in seconds (each figure is one of
+    the measured durations, never an interpolation)."""
+
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+    max: float
+
+
+class OpStats(Percentiles):
+    """One operation's end-to-end durations, and each of its phases'."""
+
+    phases: dict[str, Percentiles] = Field(default_factory=dict)
+    """Phase -> its durations, e.g. create: admission, layer_mounts, rootfs,
+    runtime_start, network_attach, init_ready; exec: queue, agent_round_trip,
+    process_run."""
+
+
+class Stats(_Model):
+    """Latency and event figures of the sandboxes matching ``labels`` on one node, e.g.
+    ``(await client.stats(labels={"job": "rl-42"})).ops["create"].phases["rootfs"].p99``."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """The label filter (empty: every sandbox, and node-level operations)."""
+    since: float = 0.0
+    until: float = Field(default_factory=time.time)
+    """The time range (unix seconds) the figures cover."""
+    sandboxes: int = 0
+    """Sandboxes (live or destroyed) that match the filter."""
+    ops: dict[str, OpStats] = Field(default_factory=dict)
+    """Operation (create, exec, destroy, pause, resume, fork, snapshot) -> durations."""
+    events: dict[str, int] = Field(default_factory=dict)
+    """Event kind -> occurrences over the matching sandboxes in the range."""
+    truncated: bool = False
+    """True when the range held more timings than one answer reads (the newest were used)."""
+
+
+class TimelineEntry(_Model):
+    """One line of a sandbox's timeline: an operation it went through (with its phases)
+    or an event recorded for it."""
+
+    time: float
+    """Unix time: when the operation ended, or when the event was recorded."""
+    kind: Literal["op", "event"]
+    name: str
+    """The operation (``create``, ``exec``...) or the event kind (``seccomp``...)."""
+    seconds: float | None = None
+    phases: dict[str, float] = Field(default_factory=dict)
+    detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+__all__ += ["Percentiles", "OpStats", "Stats", "TimelineEntry"]

@@ -1,9 +1,6 @@
-"""The few details of today's operations API that are about to change, in one place.
-
-Coming: sandbox ids ``sb-<12>-<node>`` (``spec.parse_sandbox_id``), events paged with an
-opaque cursor (``events(after=cursor)``) instead of a numeric ``since_id``, and
-``SandboxInfo.backend`` instead of ``.runtime``. When they land, adapt these helpers; the
-suite itself only calls them.
+"""The few details of the operations API the suite depends on, in one place: sandbox ids
+``sb-<12>-<node>`` (``spec.parse_sandbox_id``), events paged with an opaque cursor
+(``events(after=cursor)``), ``SandboxInfo.backend``.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from corral.spec import SANDBOX_ID_RE, Event, SandboxInfo
 
 __all__ = ["UNKNOWN_ID", "is_sandbox_id", "backend_of", "events_after", "cursor_of", "cursor_now"]
 
-UNKNOWN_ID = "sb-000000000000"
+UNKNOWN_ID = "sb-000000000000-000000000000"
 """A well-formed sandbox id that no node ever hands out (ids are random)."""
 
 
@@ -23,22 +20,22 @@ def is_sandbox_id(sandbox_id: str) -> bool:
 
 
 def backend_of(info: SandboxInfo) -> str:
-    """What runs the sandbox (today the OCI runtime's name, or "fake")."""
-    return info.runtime
+    """The isolation engine that runs the sandbox."""
+    return info.backend
 
 
-Cursor = int
+Cursor = str | None
 
 
-def cursor_of(events: list[Event], start: Cursor = 0) -> Cursor:
+def cursor_of(events: list[Event], start: Cursor = None) -> Cursor:
     """A cursor past the last of ``events`` (``start`` when there are none)."""
-    return events[-1].id if events else start
+    return events[-1].cursor if events else start
 
 
 async def cursor_now(ops: NodeOps) -> Cursor:
     """A cursor past every event so far. One answer is a page (a node caps it), so this
     pages to the end; a state dir kept between runs may hold many."""
-    cursor = 0
+    cursor: Cursor = None
     while page := await events_after(ops, cursor):
         cursor = cursor_of(page, cursor)
     return cursor
@@ -46,11 +43,13 @@ async def cursor_now(ops: NodeOps) -> Cursor:
 
 async def events_after(
     ops: NodeOps,
-    cursor: Cursor = 0,
+    cursor: Cursor = None,
     *,
     sandbox_id: str | None = None,
     labels: dict[str, str] | None = None,
     kinds: list[str] | None = None,
 ) -> list[Event]:
     """Events after ``cursor`` (all from the start with the default), oldest first."""
-    return await ops.events(sandbox_id=sandbox_id, since_id=cursor, labels=labels, kinds=kinds)
+    return await ops.events(
+        sandbox_id=sandbox_id, after=cursor, labels=labels, kinds=kinds, limit=10000
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.bench import hostmem
+from corral.bench import hostmem, metrics_overhead
 from corral.bench.docker import DockerBaseline
 from corral.bench.image import BenchImage, ensure_image, mounted_rootfs
 from corral.bench.stats import rate, summary_ms
@@ -268,6 +268,12 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
             try:
                 say(f"corral: {count} creates at concurrency {concurrency}")
                 t = await _create_n(client, img, count, concurrency, sbs, True, "create")
+                say(f"corral: metrics on/off, {min(count, 20)} serial creates each")
+                out["metrics_overhead"] = await metrics_overhead.measure(
+                    await client._get_ops(),
+                    lambda i: _create_n(client, img, 1, 1, sbs, True, "metrics"),
+                    min(count, 20),
+                )
             finally:
                 await _destroy_all(sbs, concurrency)
             out["corral"] = t.figures()
@@ -315,6 +321,10 @@ async def exec_(opts: BenchOptions, count: int) -> dict[str, Any]:
                     await _true(sb)
                 say(f"corral: {count} execs of true")
                 t = await many(count, 1, lambda i: _true(sb))
+                say(f"corral: metrics on/off, {count} execs each")
+                out["metrics_overhead"] = await metrics_overhead.measure(
+                    await client._get_ops(), lambda i: _true(sb), count
+                )
             finally:
                 await sb.destroy()
             out["corral"] = t.figures(per_s=False)

@@ -32,6 +32,7 @@ from corral.cli import events as events_cmd
 from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd
 from corral.cli import node as node_cmd
+from corral.cli import observe as observe_cmd
 from corral.cli import redteam as redteam_cmd
 from corral.cli import sandbox as sandbox_cmd
 from corral.cli._context import ClientFactory, Globals, err, validation_text
@@ -120,6 +121,8 @@ app.add_typer(node_cmd.app, name="node")
 app.add_typer(events_cmd.app, name="events")
 app.add_typer(fncall_cmd.app, name="fncall")
 app.command("redteam")(redteam_cmd.redteam)
+app.command("top")(observe_cmd.top)
+app.command("ui")(observe_cmd.ui)
 
 
 @app.callback()

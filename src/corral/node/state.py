@@ -14,7 +14,10 @@ from typing import get_args
 
 from corral.spec import Event, SandboxInfo, SandboxState
 
-__all__ = ["StateStore"]
+__all__ = ["StateStore", "Timing"]
+
+Timing = tuple[str | None, str, float, float, dict[str, float], dict[str, str]]
+"""One finished operation: (sandbox_id, op, unix time, seconds, phases, labels)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -43,6 +46,17 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_sandbox ON events(sandbox_id, id);
+CREATE TABLE IF NOT EXISTS timings (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT,
+    op TEXT NOT NULL,
+    time REAL NOT NULL,
+    seconds REAL NOT NULL,
+    phases TEXT NOT NULL,
+    labels TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS timings_sandbox ON timings(sandbox_id, id);
+CREATE INDEX IF NOT EXISTS timings_time ON timings(time);
 """
 
 _LIVE = tuple(st for st in get_args(SandboxState) if st != "destroyed")
@@ -184,6 +198,75 @@ class StateStore:
             if all(have.get(k) == v for k, v in labels.items()):
                 out.append(sid)
         return out
+
+    # timings (phase timings per operation, for stats and the timeline)
+    def add_timings(self, rows: list[Timing]) -> None:
+        """Write a batch of finished operations (the node buffers them: one transaction
+        per batch keeps SQLite off the exec path)."""
+        if self._closed or not rows:
+            return
+        self._db.executemany(
+            "INSERT INTO timings (sandbox_id, op, time, seconds, phases, labels) "
+            "VALUES (?,?,?,?,?,?)",
+            [(s, op, t, sec, json.dumps(ph), json.dumps(lb)) for s, op, t, sec, ph, lb in rows],
+        )
+
+    def timings(
+        self,
+        sandbox_id: str | None = None,
+        ops: list[str] | None = None,
+        since: float = 0.0,
+        until: float | None = None,
+        limit: int = 100_000,
+    ) -> list[Timing]:
+        """Kept timings, oldest first, at most ``limit`` (the newest of them)."""
+        where, args = "time>=?", [since]  # type: tuple[str, list[object]]
+        if until is not None:
+            where += " AND time<=?"
+            args.append(until)
+        if sandbox_id is not None:
+            where += " AND sandbox_id=?"
+            args.append(sandbox_id)
+        if ops:
+            where += f" AND op IN ({','.join('?' * len(ops))})"
+            args.extend(ops)
+        rows = self._db.execute(
+            "SELECT sandbox_id, op, time, seconds, phases, labels FROM timings "
+            f"WHERE {where} ORDER BY id DESC LIMIT ?",
+            (*args, limit),
+        ).fetchall()
+        return [(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5])) for r in rows[::-1]]
+
+    def trim_timings(self, keep: int) -> int:
+        """Drop all but the newest ``keep`` timings; returns how many were dropped."""
+        row = self._db.execute("SELECT MAX(id) FROM timings").fetchone()
+        cur = self._db.execute("DELETE FROM timings WHERE id <= ?", (int(row[0] or 0) - keep,))
+        return cur.rowcount
+
+    def event_counts_between(
+        self, since: float, until: float, sandbox_id: str | None = None
+    ) -> list[tuple[str | None, str, int]]:
+        """(sandbox_id, kind, occurrences) of the kept events recorded in [since, until]."""
+        where, args = "", []  # type: tuple[str, list[object]]
+        if sandbox_id is not None:
+            where, args = " AND sandbox_id=?", [sandbox_id]
+        rows = self._db.execute(
+            "SELECT sandbox_id, kind, SUM(COALESCE(json_extract(detail, '$.count'), 1)) "
+            f"FROM events WHERE time>=? AND time<=? {where} GROUP BY sandbox_id, kind",
+            (since, until, *args),
+        )
+        return [(r[0], r[1], int(r[2])) for r in rows]
+
+    def event_kinds_since(self, since_id: int) -> tuple[int, dict[str, int]]:
+        """(newest event id, kind -> occurrences) of the events after ``since_id``: lets
+        metrics count events at scrape time without a hook on every writer."""
+        rows = self._db.execute(
+            "SELECT MAX(id), kind, SUM(COALESCE(json_extract(detail, '$.count'), 1)) "
+            "FROM events WHERE id>? GROUP BY kind",
+            (since_id,),
+        ).fetchall()
+        top = max((int(r[0]) for r in rows), default=since_id)
+        return top, {r[1]: int(r[2]) for r in rows}
 
 
 def _event_filter(sandbox_id: str | None, kinds: list[str] | None) -> tuple[str, list[object]]:
