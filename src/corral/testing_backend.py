@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from corral.backends.base import Backend, CopyPurpose, Freezer, HostContext, Meters, Started
+from corral.backends.base import (
+    Backend,
+    CopyPurpose,
+    Freezer,
+    HostContext,
+    Meters,
+    NoPhases,
+    Phases,
+    Started,
+)
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import ExecStream, InitExit, InitProc
 from corral.errors import HostError, ProcessNotFound, SandboxError
@@ -442,6 +451,7 @@ class FakeBackend:
         image: ImageInfo,
         *,
         writable_from: str | None = None,
+        phases: Phases = NoPhases(),
     ) -> Started:
         if self.fail_creates > 0:
             self.fail_creates -= 1

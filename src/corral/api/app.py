@@ -271,6 +271,11 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
     )
     app.include_router(_routes(ops), prefix="/v1")
     app.include_router(pty_router(ops), prefix="/v1")
+    # /metrics, /v1/stats, timelines, the live feed and the dashboard (/ui); imported here:
+    # observe.py's metrics listener builds on the server module, which imports this one
+    from corral.api.observe import observe_router
+
+    app.include_router(observe_router(ops, getattr(ops, "observer", None)))
 
     async def corral_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, CorralError)

@@ -38,8 +38,8 @@ from corral.errors import HostError, InvalidRequest, NotFound
 from corral.node.metrics import CONTENT_TYPE
 from corral.node.security import SECURITY_KINDS
 from corral.node.stats import Observer, parse_label_filter
-from corral.ops import NodeOps
-from corral.spec import Stats, TimelineEntry
+from corral.ops import EVENTS_LIMIT_MAX, NodeOps
+from corral.spec import Stats, TimelineEntry, encode_cursor
 
 __all__ = ["LiveFeed", "MetricsServer", "metrics_app", "observe_router"]
 
@@ -79,7 +79,7 @@ class LiveFeed:
         self.interval = interval
         self._clients: set[_Client] = set()
         self._task: asyncio.Task[None] | None = None
-        self._last_event: int | None = None
+        self._last_event: str | None = None
         self.dropped = 0
         """Clients dropped for being too slow (for tests and logs)."""
 
@@ -145,13 +145,14 @@ class LiveFeed:
         if self._last_event is None:
             # a new feed starts with the last 50 events, not the whole log
             start = self._observer.state.last_event_id() - 50 if self._observer else 0
-            events = (await self._ops.events(since_id=max(0, start)))[-50:]
+            cursor = encode_cursor({status.node_id: max(0, start)})
+            events = (await self._ops.events(after=cursor, limit=EVENTS_LIMIT_MAX))[-50:]
         else:
-            events = (await self._ops.events(since_id=self._last_event))[:_EVENTS_PER_TICK]
+            events = await self._ops.events(after=self._last_event, limit=_EVENTS_PER_TICK)
         if events:
-            self._last_event = events[-1].id
+            self._last_event = events[-1].cursor
         elif self._last_event is None:
-            self._last_event = 0
+            self._last_event = encode_cursor({status.node_id: max(0, start)})
         body: dict[str, Any] = {
             "t": time.time(),
             "node": json.loads(status.model_dump_json()),

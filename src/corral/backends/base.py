@@ -28,7 +28,8 @@ subtree and the scratch fs are shared, so nobody removes another's), :meth:`stop
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+import contextlib
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -50,6 +51,8 @@ __all__ = [
     "Started",
     "CopyPurpose",
     "Freezer",
+    "NoPhases",
+    "Phases",
 ]
 
 
@@ -96,6 +99,22 @@ class HostContext:
 
 
 CopyPurpose = Literal["snapshot", "fork"]
+
+
+class Phases(Protocol):
+    """Where a backend reports the phases of its work (the node's PhaseTimer), so that a
+    create's time is split where it is spent: ``layer_mounts``, ``rootfs``,
+    ``runtime_start``, ``init_ready``."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
+
+
+class NoPhases:
+    """Phases nobody records."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 Freezer = Callable[[], AbstractAsyncContextManager[None]]
 """Holds the sandbox's processes frozen for a block (the node's Pauser.frozen)."""
@@ -207,8 +226,10 @@ class Backend(Protocol):
         image: ImageInfo,
         *,
         writable_from: str | None = None,
+        phases: Phases = NoPhases(),
     ) -> Started:
-        """Start the sandbox and return once its agent answers. ``writable_from``: a work
+        """Start the sandbox and return once its agent answers (``phases``: where the
+        backend times its steps). ``writable_from``: a work
         copy made by :meth:`copy_writable` (purpose ``fork``) that the writable layer starts
         as. Leaves nothing behind on failure or cancellation."""
         ...

@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from corral.backends import oci
-from corral.backends.base import Backend, CopyPurpose, Freezer, HostContext, Meters, Started
+from corral.backends.base import (
+    Backend,
+    CopyPurpose,
+    Freezer,
+    HostContext,
+    Meters,
+    NoPhases,
+    Phases,
+    Started,
+)
 from corral.backends.config import ContainerConfig
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import InitClient
@@ -233,12 +242,13 @@ class ContainerBackend:
         image: ImageInfo,
         *,
         writable_from: str | None = None,
+        phases: Phases = NoPhases(),
     ) -> Started:
         """Start a sandbox; with ``writable_from`` (a fork base made by
         :meth:`copy_writable`), its writable layer starts as a snapshot of that one."""
         undo: list[Callable[[], object]] = []
         try:
-            pid = await self._create(sandbox_id, spec, image, undo, writable_from)
+            pid = await self._create(sandbox_id, spec, image, undo, writable_from, phases)
             return Started(pid=pid, cgroup=sandbox_id)
         except BaseException:
             for step in reversed(undo):
@@ -254,7 +264,8 @@ class ContainerBackend:
         spec: SandboxSpec,
         image: ImageInfo,
         undo: list[Callable[[], object]],
-        base: str | None = None,
+        base: str | None,
+        phases: Phases,
     ) -> int:
         d = self.dir(sandbox_id)
         in_subvol = d.parent == self.scratch.mountpoint
@@ -277,43 +288,45 @@ class ContainerBackend:
         # 0711: runc in the user namespace must traverse it as the mapped uid; no listing.
         os.chmod(d, 0o711)
 
-        lowers: list[Path] = []
-        for digest in image.layers:
-            if digest in self.layers.mounted():
-                lowers.append(self.layers.acquire(digest))
-            else:
-                # First use on this node: verifying the digest reads the whole layer file
-                # (~0.2 s for 150 MB); keep it off the event loop. If the create is
-                # cancelled meanwhile, the acquire still completes: record it for undo.
-                job = asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, digest))
-                try:
-                    lowers.append(await asyncio.shield(job))
-                except asyncio.CancelledError:
-                    await asyncio.wait([job])
-                    if not job.cancelled() and job.exception() is None:
-                        undo.append(functools.partial(self.layers.release, digest))
-                    raise
-            undo.append(functools.partial(self.layers.release, digest))
+        with phases.phase("layer_mounts"):
+            lowers: list[Path] = []
+            for digest in image.layers:
+                if digest in self.layers.mounted():
+                    lowers.append(self.layers.acquire(digest))
+                else:
+                    # First use on this node: verifying the digest reads the whole layer file
+                    # (~0.2 s for 150 MB); keep it off the event loop. If the create is
+                    # cancelled meanwhile, the acquire still completes: record it for undo.
+                    job = asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, digest))
+                    try:
+                        lowers.append(await asyncio.shield(job))
+                    except asyncio.CancelledError:
+                        await asyncio.wait([job])
+                        if not job.cancelled() and job.exception() is None:
+                            undo.append(functools.partial(self.layers.release, digest))
+                        raise
+                undo.append(functools.partial(self.layers.release, digest))
 
-        sub = d
-        if not in_subvol:
+        with phases.phase("rootfs"):
+            sub = d
+            if not in_subvol:
+                if base is None:
+                    sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+                else:
+                    sub = self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
+                undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
+            upper, work = sub / "upper", sub / "work"
             if base is None:
-                sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
-            else:
-                sub = self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
-            undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
-        upper, work = sub / "upper", sub / "work"
-        if base is None:
-            upper.mkdir()
-            work.mkdir()
-            # The upper belongs to root inside the sandbox (host uid host_uid), so the guest
-            # can write where a normal root could and its files land under the mapped owner.
-            os.chown(upper, self.host_uid, self.host_uid)
+                upper.mkdir()
+                work.mkdir()
+                # The upper belongs to root inside the sandbox (host uid host_uid), so the guest
+                # can write where a normal root could and its files land under the mapped owner.
+                os.chown(upper, self.host_uid, self.host_uid)
 
-        root = self.rootfs(sandbox_id)
-        root.mkdir(exist_ok=base is not None)
-        mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
-        undo.append(lambda: mounts.umount(root, detach=True))
+            root = self.rootfs(sandbox_id)
+            root.mkdir(exist_ok=base is not None)
+            mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
+            undo.append(lambda: mounts.umount(root, detach=True))
 
         userns = None
         if self.owners is not None:
@@ -355,9 +368,10 @@ class ContainerBackend:
             # in hierarchies it does not manage.
             undo.append(lambda: self.cgroups.remove(sandbox_id))
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
-            await self.runtime.run_detached(
-                sandbox_id, d, pass_fd=lsock.fileno(), userns=userns, rlimits=rlimits
-            )
+            with phases.phase("runtime_start"):
+                await self.runtime.run_detached(
+                    sandbox_id, d, pass_fd=lsock.fileno(), userns=userns, rlimits=rlimits
+                )
             if bpf_key is not None:
                 self._remember_seccomp_bpf(bpf_key, sandbox_id)
         finally:
@@ -373,14 +387,15 @@ class ContainerBackend:
         # the seccomp listener handover among them, run inside the sandbox's cgroup: for a
         # best-effort sandbox on idle CPU only). "running" means the init answers: a node
         # killed before that would otherwise leave a sandbox whose setup then fails.
-        try:
-            await self.agent(sandbox_id).ping()
-        except SandboxError as e:
-            raise SandboxError(
-                f"sandbox {sandbox_id}: its init did not come up ({e}); a best-effort "
-                "sandbox starts on idle CPU only, so normal-priority load on every CPU "
-                "delays it"
-            ) from None
+        with phases.phase("init_ready"):
+            try:
+                await self.agent(sandbox_id).ping()
+            except SandboxError as e:
+                raise SandboxError(
+                    f"sandbox {sandbox_id}: its init did not come up ({e}); a best-effort "
+                    "sandbox starts on idle CPU only, so normal-priority load on every CPU "
+                    "delays it"
+                ) from None
         return pid
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:

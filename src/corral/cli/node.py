@@ -127,6 +127,7 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
     started: list[NodeServer] = []
+    metrics = None
     try:
         node = await open_node(cfg)
         try:
@@ -136,6 +137,7 @@ async def _serve(
             for s in servers:
                 await s.start()
                 started.append(s)
+            metrics = await _metrics_listener(cfg, node)
             err().print(
                 f"corral node {getattr(node, 'node_id', '')} serving on "
                 + " and ".join(s.address for s in servers)
@@ -150,6 +152,9 @@ async def _serve(
                 stop()
             await asyncio.gather(*waits, return_exceptions=True)
         finally:
+            if metrics is not None:
+                with contextlib.suppress(Exception):
+                    await metrics.__aexit__(None, None, None)
             for s in started:
                 with contextlib.suppress(Exception):
                     await s.stop()
@@ -159,6 +164,19 @@ async def _serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     err().print("corral node stopped")
+
+
+async def _metrics_listener(cfg: NodeConfig, node: NodeOps):  # type: ignore[no-untyped-def]
+    """The token-free ``/metrics`` listener of ``[node.metrics] listen``, if configured."""
+    observer = getattr(node, "observer", None)
+    if cfg.metrics.listen is None or observer is None:
+        return None
+    from corral.api.observe import MetricsServer
+
+    server = MetricsServer(observer, cfg.metrics.listen)
+    await server.__aenter__()
+    err().print(f"metrics on http://{cfg.metrics.listen}/metrics (no token)")
+    return server
 
 
 @app.command("status")

@@ -83,7 +83,8 @@ def render(frame: _Frame, labels: dict[str, str]) -> Group:
         f"[b]sandboxes[/] {st.sandboxes} (running {st.running}, paused {st.paused})",
         f"[b]memory[/] {human_bytes(used)} / {human_bytes(st.mem_total)}",
         f"[b]layers[/] {st.mounted_layers}",
-        f"[b]runtime[/] {escape(st.runtime)} · {escape(st.cgroup_mode)}",
+        f"[b]backends[/] {escape(', '.join(b.kind for b in st.backends))} · "
+        f"{escape(st.cgroup_mode)}",
     )
     rates = Table.grid(padding=(0, 3))
     rates.add_column()
@@ -148,7 +149,7 @@ async def _stats(ops: Any, labels: dict[str, str], since: float) -> Stats:
 
 
 async def _frame(
-    ops: Any, labels: dict[str, str], events: deque[Event], since: list[int]
+    ops: Any, labels: dict[str, str], events: deque[Event], since: list[str | None]
 ) -> _Frame:
     now = time.time()
     status, sandboxes, recent, window, new = await asyncio.gather(
@@ -156,10 +157,10 @@ async def _frame(
         ops.sandbox_list(labels=labels or None),
         _stats(ops, labels, now - _RATE_WINDOW),
         _stats(ops, labels, now - _PCT_WINDOW),
-        ops.events(since_id=since[0], labels=labels or None, kinds=list(_SECURITY)),
+        ops.events(after=since[0], labels=labels or None, kinds=list(_SECURITY)),
     )
     if new:
-        since[0] = new[-1].id
+        since[0] = new[-1].cursor
         events.extend(new)
     return _Frame(status, sandboxes, recent, window, events)
 
@@ -183,7 +184,7 @@ def top(
             # the operations object itself: stats is not on the client yet (sdk/_stats.py)
             ops = await client._get_ops()
             events: deque[Event] = deque(maxlen=12)
-            since = [0]
+            since: list[str | None] = [None]
             frame = await _frame(ops, labels, events, since)
             if once:
                 out().print(render(frame, labels))

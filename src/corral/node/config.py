@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from corral.backends.config import BackendConfig, ContainerConfig
 from corral.backends.fncall.config import FnCallConfig
+from corral.node.metrics import MetricsConfig
 from corral.policy.network import NetworkConfig
 from corral.spec import ByteSize
 
@@ -71,6 +72,9 @@ class NodeConfig(BaseModel):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     """Sandbox egress: ``[node.network]`` subnet, upstream resolvers, and the named
     permissions (``[node.network.permissions.NAME]``) sandboxes may be granted."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """``[node.metrics]``: job labels allowed on metrics, a token-free metrics listener,
+    how many phase timings are kept (see corral.node.metrics)."""
     fncall: FnCallConfig = Field(default_factory=FnCallConfig)
     """Warm pools for short calls (``[node.fncall]``): default image, pools per image,
     languages; see corral.backends.fncall.config."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
@@ -21,6 +22,7 @@ from corral.backends.base import Agent
 from corral.backends.initclient import InitExit
 from corral.errors import CorralError, InvalidRequest, NotFound, ProcessNotFound, SandboxError
 from corral.node.lifecycle import Lifecycle
+from corral.node.metrics import PhaseTimer
 from corral.node.pty import NodePty
 from corral.ops import DEFAULT_SHELLS
 from corral.node.security import NodeSecurity
@@ -154,13 +156,29 @@ class Execs:
 
     # ------------------------------------------------------------------ exec
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        info = self.life.active(sandbox_id)
-        p = self._prepare(info, req)
-        before = self._oom_kills(info)
+        t = PhaseTimer()
+        with t.phase("queue"):
+            info = self.life.active(sandbox_id)
+            p = self._prepare(info, req)
+            before = self._oom_kills(info)
         with self.table.working(sandbox_id):
             async with self.life.agent_errors(sandbox_id, "the exec"):
+                t0 = time.perf_counter()
                 r = await self._agent(info).exec(req.cmd, stdin=req.stdin, **p)  # type: ignore[arg-type]
-        return self._to_result(info, r, before)
+                call = time.perf_counter() - t0
+        t.add("process_run", r.duration)
+        t.add("agent_round_trip", max(0.0, call - r.duration))
+        result = self._to_result(info, r, before)
+        self.life.observer.record(
+            "exec",
+            t.total(),
+            t.phases,
+            sandbox_id=sandbox_id,
+            labels=info.spec.labels,
+            backend=info.backend,
+            qos=info.spec.qos,
+        )
+        return result
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest

@@ -28,11 +28,13 @@ from corral.errors import (
     SandboxNotFound,
 )
 from corral.node.config import NodeConfig
+from corral.node.metrics import PhaseTimer
 from corral.node.network import NodeNetwork
 from corral.node.pause import Pauser
 from corral.node.registry import Backends
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
+from corral.node.stats import Observer
 from corral.node.table import SandboxTable, shown_id
 from corral.spec import ImageInfo, SandboxInfo, SandboxSpec, new_sandbox_id
 
@@ -54,8 +56,10 @@ class Lifecycle:
         network: NodeNetwork,
         security: NodeSecurity,
         pauser: Pauser,
+        observer: Observer,
     ) -> None:
         self.config = config
+        self.observer = observer
         self.node_id = node_id
         self.table = table
         self.state = state
@@ -78,15 +82,17 @@ class Lifecycle:
     ) -> SandboxInfo:
         """Create from ``image``; with ``writable_from`` (a fork base of the backend's), the
         writable layer starts as a copy of it (see corral.node.snapshot)."""
-        self.check_open()
-        _check_fits(spec, self.config)
-        backend = self.backends.for_spec(spec)
-        self.network.compile(spec.network)  # unknown permission names: refused up front
-        if len(self.table) >= self.config.max_sandboxes:
-            raise CapacityError(
-                f"node {self.node_id} is full: {len(self.table)} sandboxes "
-                f"(max_sandboxes={self.config.max_sandboxes})"
-            )
+        t = PhaseTimer()
+        with t.phase("admission"):
+            self.check_open()
+            _check_fits(spec, self.config)
+            backend = self.backends.for_spec(spec)
+            self.network.compile(spec.network)  # unknown permission names: refused up front
+            if len(self.table) >= self.config.max_sandboxes:
+                raise CapacityError(
+                    f"node {self.node_id} is full: {len(self.table)} sandboxes "
+                    f"(max_sandboxes={self.config.max_sandboxes})"
+                )
         sid = new_sandbox_id(self.node_id)
         now = time.time()
         info = SandboxInfo(
@@ -107,9 +113,12 @@ class Lifecycle:
             info.spec = spec.model_copy(update={"workdir": image.workdir})
         self.table.add(info)
         try:
-            started = await backend.create(sid, info.spec, image, writable_from=writable_from)
+            started = await backend.create(
+                sid, info.spec, image, writable_from=writable_from, phases=t
+            )
             try:
-                address = await self.network.attach(sid, started.pid, spec.network)
+                with t.phase("network_attach"):
+                    address = await self.network.attach(sid, started.pid, spec.network)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await backend.destroy(sid, image)
@@ -117,6 +126,7 @@ class Lifecycle:
         except BaseException as e:
             self.table.remove(sid)
             self.state.add_event(sid, "create_failed", {"error": str(e)[:2000]})
+            self._record("create", t, info, failed=True)
             if isinstance(e, CorralError):
                 raise
             if isinstance(e, Exception):
@@ -125,7 +135,21 @@ class Lifecycle:
         info = self.table.set_state(sid, "running", pid=started.pid, address=address)
         self.state.add_event(sid, "created", {"image": spec.image, "pid": started.pid, **why})
         self.security.created(sid)
+        self._record("create", t, info)
         return info
+
+    def _record(self, op: str, t: PhaseTimer, info: SandboxInfo, failed: bool = False) -> None:
+        """One finished operation on ``info`` into the node's metrics and timings."""
+        self.observer.record(
+            op,
+            t.total(),
+            t.phases,
+            sandbox_id=info.id,
+            labels=info.spec.labels,
+            backend=info.backend,
+            qos=info.spec.qos,
+            failed=failed,
+        )
 
     async def recover(self) -> None:
         """Reconcile the database with what is really running after a (re)start."""
@@ -249,6 +273,7 @@ class Lifecycle:
 
     async def _finish_destroy(self, info: SandboxInfo, why: str) -> None:
         sid = info.id
+        t = PhaseTimer()
         with contextlib.suppress(Exception):
             self.security.before_destroy(sid, info.spec.limits.disk)
         try:
@@ -261,6 +286,7 @@ class Lifecycle:
                 await self.network.detach(sid)
             self.table.remove(sid)
             self.state.add_event(sid, why, {})
+            self._record("destroy", t, info)
 
     def keep(self, task: asyncio.Task[None]) -> None:
         self.tasks.add(task)

@@ -28,8 +28,9 @@ import contextlib
 import fcntl
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import ValidationError
 
@@ -47,10 +48,12 @@ from corral.node.files import FileOps
 from corral.node.fncall import FnCallService
 from corral.node.host import NodeHost, Parts, open_host
 from corral.node.lifecycle import Lifecycle
+from corral.node.metrics import PhaseTimer
 from corral.node.pause import Pauser
 from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
+from corral.node.stats import Observer
 from corral.ops import NodeOps, check_events_limit, cursor_positions, stamp_events
 from corral.spec import (
     CallRequest,
@@ -73,12 +76,16 @@ from corral.spec import (
     SandboxInfo,
     SandboxSpec,
     ShellInfo,
+    Stats,
+    TimelineEntry,
     validation_message,
 )
 
 __all__ = ["Node"]
 
 log = logging.getLogger("corral.node")
+
+T = TypeVar("T")
 
 
 class Node:
@@ -99,6 +106,14 @@ class Node:
         self._lock_fd = host.lock_fd
         self.table = host.table
         self.pauser = Pauser(self.cgroups, self.table, self.state.add_event)
+        self.observer = Observer.for_node(
+            self.state,
+            config.metrics,
+            live=self.table.values,  # a copy per call: safe from the scrape's thread
+            capacity=config.max_sandboxes,
+            scratch_dir=self.scratch.mountpoint,
+            layer_files=self._layer_files,
+        )
         self.life = Lifecycle(
             config,
             self.node_id,
@@ -108,6 +123,7 @@ class Node:
             self.network,
             self.security,
             self.pauser,
+            self.observer,
         )
         self.execs = Execs(self.life, self.table, self.state, self.security, config.id_count)
         self.files = FileOps(self.life, self.table, self.state)
@@ -122,6 +138,7 @@ class Node:
             self.pauser,
             config.reaper_interval,
             config.event_retention,
+            self.observer,
         )
         self.fncall = FnCallService(self, config.fncall)
 
@@ -205,6 +222,8 @@ class Node:
         finally:
             # Even when the teardown fails (a mount still busy): release the state dir, or
             # this process could never open a node on it again.
+            with contextlib.suppress(Exception):
+                self.observer.flush()
             self.security.close()
             self.state.close()
             os.close(self._lock_fd)
@@ -241,6 +260,32 @@ class Node:
     def backend_of(self, sandbox_id: str) -> Backend:
         """The backend running a live sandbox (SandboxNotFound if none)."""
         return self.backends.of(self.table.need(sandbox_id))
+
+    def _layer_files(self) -> list[Path]:
+        """The layer files live sandboxes use (for the page-cache gauge; a scrape thread)."""
+        digests = {d for i in self.table.values() for d in i.layers}
+        return [self.store.path_of(d) for d in digests]
+
+    async def _timed(self, op: str, sandbox_id: str, job: Awaitable[T]) -> T:
+        """``job`` recorded as operation ``op`` of the sandbox (its metrics and timings)."""
+        t = PhaseTimer()
+        info = self.table.get(sandbox_id)
+        failed = True
+        try:
+            out = await job
+            failed = False
+            return out
+        finally:
+            if info is not None:
+                self.observer.record(
+                    op,
+                    t.total(),
+                    sandbox_id=sandbox_id,
+                    labels=info.spec.labels,
+                    backend=info.backend,
+                    qos=info.spec.qos,
+                    failed=failed,
+                )
 
     def meters(self, sandbox_id: str) -> Meters:
         info = self.table.get(sandbox_id)
@@ -303,17 +348,17 @@ class Node:
         return info
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
-        return await self.snapshots.snapshot(sandbox_id, name)
+        return await self._timed("snapshot", sandbox_id, self.snapshots.snapshot(sandbox_id, name))
 
     async def sandbox_fork(self, sandbox_id: str, req: ForkRequest) -> list[SandboxInfo]:
-        return await self.snapshots.fork(sandbox_id, req)
+        return await self._timed("fork", sandbox_id, self.snapshots.fork(sandbox_id, req))
 
     # ------------------------------------------------------------------ pause / resume
     async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
         """Freeze the sandbox and reclaim its memory to swap (see :mod:`corral.node.pause`)."""
         self.life.check_open()
         self.table.need(sandbox_id)
-        await self.pauser.pause(sandbox_id)
+        await self._timed("pause", sandbox_id, self.pauser.pause(sandbox_id))
         return await self.sandbox_get(sandbox_id)
 
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
@@ -321,7 +366,7 @@ class Node:
         ``prefetch`` are all read back at once (returns when the reads are started)."""
         self.life.check_open()
         self.table.need(sandbox_id)
-        await self.pauser.resume(sandbox_id, prefetch)
+        await self._timed("resume", sandbox_id, self.pauser.resume(sandbox_id, prefetch))
         self.table.touch(sandbox_id)
         return await self.sandbox_get(sandbox_id)
 
@@ -430,10 +475,31 @@ class Node:
     # ------------------------------------------------------------------ fncall
     async def fncall_run(self, req: CallRequest) -> CallResult:
         """One short call in a warm pool sandbox (see corral.node.fncall)."""
-        return await self.fncall.run(req)
+        r = await self.fncall.run(req)
+        self.observer.metrics.fncall(req.language, r.status)
+        return r
 
     async def fncall_judge(self, req: JudgeRequest) -> JudgeResult:
-        return await self.fncall.judge(req)
+        r = await self.fncall.judge(req)
+        self.observer.metrics.fncall(req.language, r.verdict)
+        return r
+
+    # ------------------------------------------------------------------ observability
+    async def stats(
+        self,
+        labels: dict[str, str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> Stats:
+        """p50/p90/p99 per operation and phase for sandboxes with these labels, and event
+        counts by kind (see corral.node.stats)."""
+        self.observer.flush()
+        return await asyncio.to_thread(self.observer.stats, labels, since, until)
+
+    async def timeline(self, sandbox_id: str, limit: int = 2000) -> list[TimelineEntry]:
+        """One sandbox's operations and events in time order."""
+        self.observer.flush()
+        return await asyncio.to_thread(self.observer.timeline, sandbox_id, limit)
 
     # ------------------------------------------------------------------ events, status
     async def events(

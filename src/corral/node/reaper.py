@@ -18,6 +18,7 @@ from corral.node.lifecycle import Lifecycle
 from corral.node.pause import Pauser
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
+from corral.node.stats import Observer
 from corral.node.table import SandboxTable
 
 __all__ = ["Reaper"]
@@ -35,7 +36,9 @@ class Reaper:
         pauser: Pauser,
         interval: float,
         event_retention: int,
+        observer: Observer,
     ) -> None:
+        self.observer = observer
         self.life = life
         self.table = table
         self.state = state
@@ -68,6 +71,7 @@ class Reaper:
     async def once(self) -> None:
         self.table.flush_touches()
         self.state.trim_events(self.event_retention)
+        self.observer.flush(trim=True)
         self.security.flush()
         now = time.time()
         for sid in self.table.ids():

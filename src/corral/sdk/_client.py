@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from corral.errors import CorralError, InvalidRequest
 from corral.ops import NodeOps
 from corral.sdk._fncall import FnCall
+from corral.sdk._stats import fetch_stats
 from corral.sdk._sandbox import Sandbox, invalid_request
 from corral.spec import (
     Event,
@@ -27,6 +28,7 @@ from corral.spec import (
     NetworkPolicy,
     NodeStatus,
     SandboxSpec,
+    Stats,
 )
 
 if TYPE_CHECKING:
@@ -148,6 +150,17 @@ class AsyncClient:
 
     async def node_status(self) -> NodeStatus:
         return await (await self._get_ops()).node_status()
+
+    async def stats(
+        self,
+        labels: Mapping[str, str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> Stats:
+        """p50/p90/p99 per operation (create, exec, destroy, pause, resume, fork, snapshot)
+        and per phase for the sandboxes with these labels, and event counts by kind, e.g.
+        ``(await client.stats(labels={"job": "rl-42"})).ops["create"].phases``."""
+        return await fetch_stats(await self._get_ops(), labels, since, until)
 
     async def close(self) -> None:
         """Close the embedded node or the HTTP connections. Sandboxes keep running."""

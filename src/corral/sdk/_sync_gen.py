@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         ProcessInfo,
         SandboxInfo,
         ShellInfo,
+        Stats,
     )
 
 
@@ -148,6 +149,18 @@ class Client(_Handle):
 
     def node_status(self) -> NodeStatus:
         return self._portal.call(self._obj.node_status())
+
+    def stats(
+        self,
+        labels: Mapping[str, str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> Stats:
+        """p50/p90/p99 per operation (create, exec, destroy, pause, resume, fork, snapshot)
+        and per phase for the sandboxes with these labels, and event counts by kind, e.g.
+        ``(client.stats(labels={"job": "rl-42"})).ops["create"].phases``.
+        """
+        return self._portal.call(self._obj.stats(labels, since, until))
 
     def close(self) -> None:
         """Close the embedded node or the HTTP connections. Sandboxes keep running."""
