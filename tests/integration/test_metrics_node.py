@@ -1,8 +1,7 @@
 """Metrics and stats of a real node, and a real Prometheus scraping them (issue 14).
 
-Until the node calls the Observer itself, the test times the node's calls from outside
-(whole operations, no phases) and hands them to an Observer over the node's own state
-store, with the host gauges computed from the node's real scratch and layer mounts.
+The node times its own operations (its Observer); the test times the same calls from
+outside and checks that the node's figures lie within them.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corral.api.observe import metrics_app
-from corral.node.metrics import MetricsConfig, PhaseTimer
+from corral.node.metrics import PhaseTimer
 from corral.node.stats import Observer
 from corral.spec import ExecRequest, SandboxSpec
 from tests.observe_fakes import serve, tcp_socket
@@ -30,26 +29,21 @@ PROMETHEUS = Path("/usr/bin/prometheus")
 RULES = Path(__file__).parents[2] / "docs" / "prometheus" / "corral.rules.yml"
 
 
+EPS = 1e-6
+"""perf_counter's resolution is far below this; the slack covers the float round trip."""
+
+
 @pytest.fixture
 def observer(node) -> Iterator[Observer]:  # type: ignore[no-untyped-def]
-    """What the node is to build at open (see Observer.for_node)."""
-    yield Observer.for_node(
-        node.state,
-        MetricsConfig(job_labels=["job"]),
-        live=lambda: list(node._live.values()),
-        capacity=node.config.max_sandboxes,
-        scratch_dir=node.scratch.mountpoint,
-        layer_files=lambda: [node.store.path_of(d) for d in node.layers.mounted()],
-    )
+    """The node's own observer (job labels are on the allowlist by default)."""
+    yield node.observer
 
 
 async def _timed(obs: Observer, op: str, coro, sandbox_id=None, labels=None):  # type: ignore[no-untyped-def]
+    """The call's result and the seconds measured around it (the node records it itself)."""
     t = PhaseTimer()
     result = await coro
-    seconds = t.total()
-    sid = sandbox_id or getattr(result, "id", None)
-    obs.record(op, seconds, {}, sandbox_id=sid, labels=labels, qos="best_effort")
-    return result, seconds
+    return result, t.total()
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -90,18 +84,21 @@ async def test_real_node_metrics_and_stats(node, observer: Observer) -> None:  #
     # the node's own lifecycle events were counted from its state store
     assert s[("corral_events_total", (("kind", "created"),))] >= 2
 
+    observer.flush()
     st = await asyncio.to_thread(observer.stats, labels)
     assert st.sandboxes == 2
     assert st.ops["create"].count == 2 and st.ops["exec"].count == 2
-    # the figures are exactly what was measured around the calls
-    assert st.ops["create"].max == max(creates) and st.ops["create"].p50 == min(creates)
-    assert st.ops["exec"].max == max(execs)
+    # the node's own figures lie within what was measured around the calls
+    assert 0 < st.ops["create"].max <= max(creates) + EPS
+    assert 0 < st.ops["create"].p50 <= min(creates) + EPS
+    assert 0 < st.ops["exec"].max <= max(execs) + EPS
     assert st.events.get("created") == 2
     tl = await asyncio.to_thread(observer.timeline, infos[0].id)
     assert [e.name for e in tl if e.kind == "op"] == ["create", "exec"]
     assert any(e.kind == "event" and e.name == "created" for e in tl)
     for info in infos:
         await _timed(observer, "destroy", node.sandbox_destroy(info.id), info.id, labels)
+    observer.flush()
     assert (await asyncio.to_thread(observer.stats, labels)).ops["destroy"].count == 2
 
 
