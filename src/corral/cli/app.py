@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from corral.cli import doctor as doctor_cmd
 from corral.cli import events as events_cmd
 from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd
@@ -120,6 +121,7 @@ app.add_typer(node_cmd.app, name="node")
 app.add_typer(events_cmd.app, name="events")
 app.add_typer(fncall_cmd.app, name="fncall")
 app.command("redteam")(redteam_cmd.redteam)
+app.command("doctor")(doctor_cmd.doctor)
 
 
 @app.callback()
