@@ -569,12 +569,14 @@ def _leftovers(x: _Ctx) -> Check:
     if not orphans:
         return _c("leftovers", True, f"none on {cfg.state_dir} and {cfg.run_dir}{kept}")
     shown = ", ".join(f"{len(v)} {k}" for k, v in orphans.items())
-    sample = next(iter(orphans.values()))[0]
+    items = [i for v in orphans.values() for i in v]
+    sample = next((i for i in items if _SANDBOX_ID.search(i)), items[0])
+    where = "" if cfg.state_dir == NodeConfig().state_dir else f" --state-dir {cfg.state_dir}"
     return _c(
         "leftovers",
         False,
         f"a stopped node left {shown} (e.g. {sample}){kept}",
-        f"corral --state-dir {cfg.state_dir} node gc (or start the node: it recovers them)",
+        f"corral{where} node gc (or start the node: it recovers them)",
     )
 
 
