@@ -80,16 +80,63 @@ def _rmtree_unmounted(path: Path) -> None:
 # --------------------------------------------------------------------------- dir, tar
 
 
-def build_dir(store: LayerStore, path: Path, *, progress: Progress | None = None) -> LayerInfo:
-    """A layer of the tree at ``path``, as it is on disk (owners, modes, xattrs...)."""
+def _dest_parts(dest: str) -> tuple[str, ...]:
+    """The path components of an absolute in-image destination (none for ``/``)."""
+    return PurePosixPath(_check_inside_path(dest)).parts[1:]
+
+
+def _make_parents(root: Path, parts: tuple[str, ...]) -> Path:
+    """``root/parts...`` with each level ``0755 root:root``, mtime 0 (a layer's digest must
+    not depend on when it was built); returns the innermost directory."""
+    d = root
+    for part in parts:
+        d = d / part
+        d.mkdir(mode=0o755)
+        os.chmod(d, 0o755)
+    for level in [root / Path(*parts[: i + 1]) for i in range(len(parts))][::-1]:
+        os.utime(level, (0, 0), follow_symlinks=False)
+    return d
+
+
+def build_dir(
+    store: LayerStore, path: Path, *, dest: str = "/", progress: Progress | None = None
+) -> LayerInfo:
+    """A layer of the tree at ``path``, as it is on disk (owners, modes, xattrs...), placed
+    at ``dest`` in the image: ``/`` for a root filesystem, e.g. ``/work`` for a repository
+    stacked on a base image as its workspace (without one the repository's files would
+    land next to /etc and /proc)."""
     path = Path(path)
     if not path.is_dir():
         raise InvalidRequest(f"{path} is not a directory")
-    return store.add_dir(path, kind="dir", source=str(path.resolve()), progress=progress)
+    parts = _dest_parts(dest)
+    source = str(path.resolve())
+    if not parts:
+        return store.add_dir(path, kind="dir", source=source, progress=progress)
+    tmp = _scratch_dir("corral-dir-")
+    try:
+        root = tmp / "rootfs"
+        root.mkdir()
+        target = _make_parents(root, parts[:-1]) / parts[-1]
+        with Step(progress, f"copy {path.name or path} to {dest}") as step:
+            # cp -a keeps owners, modes, links, xattrs and mtimes, as mkfs.erofs would have
+            # read them from ``path`` itself.
+            run_tool(
+                ["cp", "-a", "--", source, str(target)],
+                what=f"copying {path} to {dest} in the layer",
+                step=step,
+            )
+        os.utime(target.parent, (0, 0), follow_symlinks=False)
+        return store.add_dir(
+            root, kind="dir", source=source, meta={"dest": dest}, progress=progress
+        )
+    finally:
+        _rmtree_unmounted(tmp)
 
 
-def build_tar(store: LayerStore, archive: Path, *, progress: Progress | None = None) -> LayerInfo:
-    """A layer of a ``.tar``, ``.tar.gz`` or ``.tgz`` archive.
+def build_tar(
+    store: LayerStore, archive: Path, *, dest: str = "/", progress: Progress | None = None
+) -> LayerInfo:
+    """A layer of a ``.tar``, ``.tar.gz`` or ``.tgz`` archive, extracted at ``dest``.
 
     Extracted as root with owners, modes, setuid bits and xattrs kept; members with an
     absolute path or ``..``, or that would be written through a symlink, are refused.
@@ -97,18 +144,20 @@ def build_tar(store: LayerStore, archive: Path, *, progress: Progress | None = N
     archive = Path(archive)
     if not archive.is_file():
         raise InvalidRequest(f"{archive} is not a file")
+    parts = _dest_parts(dest)
     tmp = _scratch_dir("corral-tar-")
     try:
         root = tmp / "rootfs"
         root.mkdir()
+        target = _make_parents(root, parts[:-1]) / parts[-1] if parts else root
+        target.mkdir(exist_ok=True)
         with Step(progress, f"extract {archive.name}") as step:
-            summary = extract_tar(archive, root, step=step)
+            summary = extract_tar(archive, target, step=step)
+        if parts:
+            os.utime(target.parent, (0, 0), follow_symlinks=False)
+        meta = {"members": str(summary.members), **({"dest": dest} if parts else {})}
         return store.add_dir(
-            root,
-            kind="tar",
-            source=str(archive.resolve()),
-            meta={"members": str(summary.members)},
-            progress=progress,
+            root, kind="tar", source=str(archive.resolve()), meta=meta, progress=progress
         )
     finally:
         _rmtree_unmounted(tmp)
