@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import sys
 import tarfile
 import tempfile
@@ -176,11 +177,49 @@ def _clean_debian_tree(root: Path) -> None:
                     os.unlink(os.path.join(dirpath, f))
     for rel in ("var/log/dpkg.log", "var/log/alternatives.log", "var/log/bootstrap.log"):
         (root / rel).unlink(missing_ok=True)
-    resolv = root / "etc/resolv.conf"
-    if os.path.lexists(resolv):
-        resolv.unlink()
-    resolv.write_text(RESOLV_CONF_PLACEHOLDER)
-    os.chmod(resolv, 0o644)
+    _write_etc(root, "resolv.conf", RESOLV_CONF_PLACEHOLDER)
+    _neutral_host_names(root)
+
+
+NEUTRAL_HOSTNAME = "sandbox"
+"""The hostname images carry (and :class:`corral.spec.SandboxSpec`'s default)."""
+NEUTRAL_HOSTS = (
+    "127.0.0.1\tlocalhost\n"
+    f"127.0.1.1\t{NEUTRAL_HOSTNAME}\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "ff02::1\tip6-allnodes\n"
+    "ff02::2\tip6-allrouters\n"
+)
+
+
+def _write_etc(root: Path, name: str, text: str) -> None:
+    """Replace ``root/etc/name`` (a file or a symlink, never followed) with ``text``."""
+    path = root / "etc" / name
+    if os.path.lexists(path):
+        path.unlink()
+    path.write_text(text)
+    os.chmod(path, 0o644)
+
+
+def _neutral_host_names(root: Path) -> None:
+    """No build host's name in the image: mmdebstrap copies the host's /etc/hostname (here
+    "vm") into the tree, and every sandbox would read it. /etc/hosts is replaced when it
+    names the build host, and written when missing (minbase has none), so ``localhost``
+    and the sandbox's own name resolve without DNS."""
+    _write_etc(root, "hostname", NEUTRAL_HOSTNAME + "\n")
+    hosts = root / "etc/hosts"
+    build_host = socket.gethostname()
+    text = "" if os.path.islink(hosts) else _read_or_empty(hosts)
+    names = {w for line in text.splitlines() for w in line.split("#", 1)[0].split()[1:]}
+    if not text or build_host in names or build_host.split(".")[0] in names:
+        _write_etc(root, "hosts", NEUTRAL_HOSTS)
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def build_debian(
