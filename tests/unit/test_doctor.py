@@ -304,3 +304,16 @@ def test_cli_json_is_the_last_line_and_fatal_exits_1(monkeypatch: pytest.MonkeyP
     r = CliRunner().invoke(cli_app.app, ["doctor"])
     assert r.exit_code == 0
     assert "criu" in r.stdout and "optional" in r.stdout and "1 warning" in r.stderr
+
+
+def test_fatal_only_covers_every_check_that_can_stop_a_node(tmp_path: Path) -> None:
+    root = fake_host(tmp_path / "root")
+    net = config(tmp_path, network={"permissions": {"mirror": {"cidrs": ["10.20.0.0/24"]}}})
+    full = run_checks(net, root=root, probes=probes())
+    start = run_checks(net, root=root, probes=probes(leftovers=_never), fatal_only=True)
+    assert {c.name for c in full if c.fatal} == {c.name for c in start}
+    assert all(c.fatal for c in start)
+
+
+def _never(cfg: NodeConfig) -> dict[str, list[str]]:
+    raise AssertionError("a node's start does not scan for leftovers (its recovery does)")
