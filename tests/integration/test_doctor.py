@@ -20,6 +20,7 @@ RUN = Path(f"/run/corral-test{TAG}-doctor")
 SUBTREE = f"corral-test{TAG}-doctor"
 
 EXPECTED = [
+    "root",
     "oci runtime",
     "user namespaces",
     "cgroups",

@@ -65,6 +65,7 @@ def probes(**kw: object) -> Probes:
     """Probes of a healthy host: nothing here touches the real one."""
     base: dict[str, object] = dict(
         which=lambda name: f"/usr/bin/{name}",
+        euid=lambda: 0,
         landlock=lambda: (7, "scoped"),
         core_scheduling=lambda: (True, "available"),
         criu=lambda: (True, ""),
@@ -98,7 +99,7 @@ def test_healthy_host_passes_every_check(tmp_path: Path) -> None:
     assert bad == []
     names = set(by_name(checks))
     for want in (
-        "oci runtime", "user namespaces", "cgroups", "erofs", "overlayfs", "btrfs quotas",
+        "root", "oci runtime", "user namespaces", "cgroups", "erofs", "overlayfs", "btrfs quotas",
         "seccomp user notify", "landlock", "nftables", "helper programs", "seccomp fd holder",
         "free disk", "leftovers", "sysctl kernel.pid_max", "sysctl fs.inotify.max_user_watches",
         "sysctl user.max_user_namespaces", "sysctl kernel.keys.maxkeys", "open files limit",
@@ -317,3 +318,9 @@ def test_fatal_only_covers_every_check_that_can_stop_a_node(tmp_path: Path) -> N
 
 def _never(cfg: NodeConfig) -> dict[str, list[str]]:
     raise AssertionError("a node's start does not scan for leftovers (its recovery does)")
+
+
+def test_not_root_is_fatal(tmp_path: Path) -> None:
+    p = probes(euid=lambda: 1000)
+    c = by_name(run_checks(config(tmp_path), root=fake_host(tmp_path / "root"), probes=p))["root"]
+    assert not c.ok and c.fatal and "uid 1000" in c.detail

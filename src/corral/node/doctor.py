@@ -159,6 +159,7 @@ class Probes:
     """The checks' system calls and commands; tests replace them. Defaults: the real ones."""
 
     which: Callable[[str], str | None] = shutil.which
+    euid: Callable[[], int] = os.geteuid
     landlock: Callable[[], tuple[int, str]] = landlock.support
     core_scheduling: Callable[[], tuple[bool, str]] = sched.core_scheduling
     criu: Callable[[], tuple[bool, str]] = criu.checkpoint_support
@@ -228,6 +229,18 @@ def _c(name: str, ok: bool, detail: str, fix: str = "", *, fatal: bool = False) 
 
 
 # ------------------------------------------------------------------ kernel features
+
+
+def _root(x: _Ctx) -> Check:
+    euid = x.probes.euid()
+    return _c(
+        "root",
+        euid == 0,
+        "running as root" if euid == 0 else f"running as uid {euid}",
+        "run the node (and this check) as root: it mounts layers, makes cgroups and user "
+        "namespaces for other uids",
+        fatal=True,
+    )
 
 
 def _userns(x: _Ctx) -> Check:
@@ -581,6 +594,7 @@ def _leftovers(x: _Ctx) -> Check:
 
 
 _REQUIRED = (
+    _root,
     _runtime,
     _userns,
     _cgroups,
@@ -613,6 +627,7 @@ def run_checks(
     if fatal_only:
         return [check(x) for check in _REQUIRED]
     return [
+        _root(x),
         _runtime(x),
         _userns(x),
         _cgroups(x),
