@@ -153,7 +153,7 @@ async def test_reaper_racing_user_destroys(images_ready) -> None:  # type: ignor
     """TTL expiry and user destroys of the same sandboxes at once: each is destroyed once
     (a double destroy would release its layers twice, under a neighbour's feet).
 
-    Both orders are forced, not hoped for: every destroy is held at its start until the
+    Both orders are forced, not hoped for: every destroy is held in the backend until the
     other party has tried the same sandbox. The reaper takes the first sandbox and is held
     there; users then destroy all of them (the first must be refused as already being
     destroyed, the others start their destroys, held); the reaper, let go, must pass over
@@ -163,39 +163,40 @@ async def test_reaper_racing_user_destroys(images_ready) -> None:  # type: ignor
     try:
         await n.gc(everything=True)
         keeper = await n.sandbox_create(_spec())
-        doomed = [
-            i.id for i in await asyncio.gather(*(n.sandbox_create(_spec()) for _ in range(6)))
-        ]
+        made = await asyncio.gather(*(n.sandbox_create(_spec(ttl=0.5)) for _ in range(6)))
+        doomed = [i.id for i in made]
+        # Their TTL runs out; nothing acts on it until this test's reaper pass.
+        while time.time() <= max(i.expires_at or 0 for i in made):
+            await asyncio.sleep(0.05)
         gates = {sid: asyncio.Event() for sid in doomed}
         started: dict[str, list[str]] = {sid: [] for sid in doomed}
         progress = asyncio.Condition()
-        finish = n._finish_destroy
+        phase = "reaper"  # whose destroys can start now: the reaper alone, then users too
+        destroy = n.backend.destroy
 
-        async def held_finish(info, why):  # type: ignore[no-untyped-def]
-            if info.id not in gates:  # the keeper, at the end
-                return await finish(info, why)
-            async with progress:
-                started[info.id].append(why)
-                progress.notify_all()
-            await gates[info.id].wait()
-            await finish(info, why)
+        async def held_destroy(sid, image):  # type: ignore[no-untyped-def]
+            if sid in gates:  # not the keeper, at the end
+                async with progress:
+                    started[sid].append(phase)
+                    progress.notify_all()
+                await gates[sid].wait()
+            return await destroy(sid, image)
 
-        n._finish_destroy = held_finish  # type: ignore[method-assign]
-        for sid in doomed:  # their TTL ran out (set, not slept for)
-            n._live[sid] = n._live[sid].model_copy(update={"expires_at": time.time() - 1})
+        n.backend.destroy = held_destroy  # type: ignore[method-assign]
 
         first, rest = doomed[0], doomed[1:]
         reaper = asyncio.create_task(n.reap_once())
         async with progress:
             await asyncio.wait_for(progress.wait_for(lambda: started[first]), 30)
-        assert started[first] == ["ttl_expired"] and not any(started[s] for s in rest)
+        assert started[first] == ["reaper"] and not any(started[s] for s in rest)
 
+        phase = "users"
         users = [asyncio.create_task(n.sandbox_destroy(sid)) for sid in doomed]
         async with progress:
             await asyncio.wait_for(progress.wait_for(lambda: all(started[s] for s in rest)), 30)
         with pytest.raises(Conflict, match="already being destroyed"):
-            await users[0]  # the reaper got there first
-        assert all(started[s] == ["destroyed"] for s in rest)  # users got there first
+            await asyncio.wait_for(users[0], 30)  # the reaper got there first
+        assert all(started[s] == ["users"] for s in rest)  # users got there first
 
         gates[first].set()
         await asyncio.wait_for(reaper, 30)  # passes over the ones users are destroying
