@@ -324,3 +324,29 @@ def test_not_root_is_fatal(tmp_path: Path) -> None:
     p = probes(euid=lambda: 1000)
     c = by_name(run_checks(config(tmp_path), root=fake_host(tmp_path / "root"), probes=p))["root"]
     assert not c.ok and c.fatal and "uid 1000" in c.detail
+
+
+def test_leftover_mounts_held_by_another_mount_namespace_are_named(tmp_path: Path) -> None:
+    """A tool that unshared its mount namespace while the node ran keeps copies of the
+    node's mounts (and their loop devices) busy: doctor names it, gc alone cannot help."""
+    root = fake_host(tmp_path / "root")
+    state = tmp_path / "state"
+    procs = {
+        "self": ("mnt:[1]", "x", ""),
+        "10": ("mnt:[1]", "corral", f"1 0 0:1 / {state}/scratch rw - btrfs /dev/loop3 rw"),
+        "20": ("mnt:[2]", "mfsmaster", f"84 49 0:43 / {state}/scratch rw - btrfs /dev/loop3 rw"),
+        "21": ("mnt:[2]", "mfsmaster", f"84 49 0:43 / {state}/scratch rw - btrfs /dev/loop3 rw"),
+        "30": ("mnt:[3]", "sh", "1 0 0:1 / / rw - ext4 /dev/vda rw"),
+    }
+    for pid, (ns, comm, mountinfo) in procs.items():
+        d = root / "proc" / pid
+        (d / "ns").mkdir(parents=True, exist_ok=True)
+        (d / "ns" / "mnt").symlink_to(ns)
+        (d / "comm").write_text(comm + "\n")
+        (d / "mountinfo").write_text(mountinfo + "\n")
+    found = {"loop_devices": [f"/dev/loop3 -> {state}/scratch.img"]}
+    p = probes(leftovers=lambda cfg: found)
+    c = by_name(run_checks(config(tmp_path), root=root, probes=p))["leftovers"]
+    assert not c.ok and "pid 20 (mfsmaster)" in c.detail
+    assert "pid 21" not in c.detail and "pid 10" not in c.detail and "pid 30" not in c.detail
+    assert c.fix.startswith("end those processes") and "node gc" in c.fix

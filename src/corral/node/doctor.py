@@ -558,6 +558,42 @@ def _sysctls(x: _Ctx) -> list[Check]:
     return out
 
 
+def _pinned_by(x: _Ctx, prefixes: list[Path]) -> list[str]:
+    """Processes in other mount namespaces holding a copy of a mount below ``prefixes``.
+
+    A mount namespace made while the node's mounts were up (``unshare -m`` by any tool)
+    keeps copies of them, and so their loop devices, busy until its last process ends;
+    no unmount in the host's namespace, ``corral node gc``'s included, frees them.
+    """
+    proc = x.host.root / "proc"
+
+    def ns(pid: str) -> str | None:
+        try:
+            return os.readlink(proc / pid / "ns" / "mnt")
+        except OSError:
+            return None
+
+    own, seen, out = ns("self"), set(), []
+    wanted = [str(p) for p in prefixes]
+    try:
+        pids = sorted((d for d in os.listdir(proc) if d.isdigit()), key=int)
+    except OSError:
+        return []
+    for pid in pids:
+        mnt = ns(pid)
+        if mnt is None or mnt == own or mnt in seen:
+            continue
+        seen.add(mnt)
+        for line in (x.host.read(f"proc/{pid}/mountinfo") or "").splitlines():
+            fields = line.split()
+            point = fields[4].replace("\\040", " ") if len(fields) > 4 else ""
+            if any(point == w or point.startswith(w + "/") for w in wanted):
+                comm = (x.host.read(f"proc/{pid}/comm") or "?").strip()
+                out.append(f"pid {pid} ({comm})")
+                break
+    return out
+
+
 def _leftovers(x: _Ctx) -> Check:
     cfg = x.config
     found = {k: v for k, v in x.probes.leftovers(cfg).items() if v}
@@ -585,12 +621,17 @@ def _leftovers(x: _Ctx) -> Check:
     items = [i for v in orphans.values() for i in v]
     sample = next((i for i in items if _SANDBOX_ID.search(i)), items[0])
     where = "" if cfg.state_dir == NodeConfig().state_dir else f" --state-dir {cfg.state_dir}"
-    return _c(
-        "leftovers",
-        False,
-        f"a stopped node left {shown} (e.g. {sample}){kept}",
-        f"corral{where} node gc (or start the node: it recovers them)",
-    )
+    fix = f"corral{where} node gc (or start the node: it recovers them)"
+    held = ""
+    if orphans.keys() & {"mounts", "loop_devices"}:
+        pinned = _pinned_by(x, [cfg.state_dir, cfg.run_dir])
+        if pinned:
+            held = f"; copies of its mounts are held in the mount namespaces of {', '.join(pinned[:3])}"
+            fix = (
+                "end those processes (their mount namespace was made while the node's mounts "
+                f"were up, and keeps them busy), then {fix}"
+            )
+    return _c("leftovers", False, f"a stopped node left {shown} (e.g. {sample}){held}{kept}", fix)
 
 
 _REQUIRED = (
