@@ -81,7 +81,8 @@ def setup(
 
     A Debian release with python3, gcc and g++ (the built-in languages python, bash, c,
     cpp), written to the node's layer store; a node without fncall.default_image uses it.
-    Takes a few minutes; later runs find it in the store and return at once.
+    Takes a minute or more (mmdebstrap downloads the packages: 40 s here); later runs
+    find it in the store and return at once.
     """
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -292,8 +292,8 @@ class FnCallService:
                 raise InvalidRequest(
                     "image: no image given, the node has no fncall.default_image configured "
                     f"and its store has no {SETUP_IMAGE}: build that once with `corral "
-                    "fncall setup` on the node's host (Debian with python3, gcc and g++; a "
-                    "few minutes, then cached in the store), or pass image=..."
+                    "fncall setup` on the node's host (Debian with python3, gcc and g++; about a "
+                    "minute, then cached in the store), or pass image=..."
                 ) from None
             cfg = PoolConfig(image=name, size=self.config.on_demand_size)
             pool = self.pools[name] = _Pool(self, cfg)
