@@ -148,6 +148,15 @@ def _live_ids(state_dir: Path) -> set[str]:
     return {r[0] for r in rows}
 
 
+def _scan_leftovers(cfg: NodeConfig) -> dict[str, list[str]]:
+    """host/leaks.py's scan of this node's dirs and cgroup subtree. Without named network
+    namespaces: the node makes none (the runtime's are unnamed), and a ``corral-`` prefix
+    would claim other software's and tests' (``corral-test-...``)."""
+    found = leaks.scan(cfg.state_dir, cfg.run_dir, cfg.cgroup_subtree, f"{cfg.cgroup_subtree}-")
+    found.pop("netns", None)
+    return found
+
+
 def _free_bytes(path: Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -171,11 +180,7 @@ class Probes:
     nofile: Callable[[], int] = field(default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     node_running: Callable[[Path], bool] = _node_running
     live_ids: Callable[[Path], set[str]] = _live_ids
-    leftovers: Callable[[NodeConfig], dict[str, list[str]]] = field(
-        default=lambda c: leaks.scan(
-            c.state_dir, c.run_dir, c.cgroup_subtree, f"{c.cgroup_subtree}-"
-        )
-    )
+    leftovers: Callable[[NodeConfig], dict[str, list[str]]] = _scan_leftovers
     holder_pid: Callable[[Path], int | None] = fdstore.holder_pid
     libnftables: Callable[[], str | None] = field(
         default=lambda: ctypes.util.find_library("nftables")
