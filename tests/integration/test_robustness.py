@@ -149,27 +149,78 @@ async def test_destroy_while_creating(rnode: Node) -> None:
     assert [c["id"] for c in await rnode.backend.runtime.list()] == []
 
 
-async def test_reaper_racing_user_destroys(rnode: Node) -> None:
+async def test_reaper_racing_user_destroys(images_ready) -> None:  # type: ignore[no-untyped-def]
     """TTL expiry and user destroys of the same sandboxes at once: each is destroyed once
-    (a double destroy would release its layers twice, under a neighbour's feet)."""
-    keeper = await rnode.sandbox_create(_spec())
-    doomed = await asyncio.gather(*(rnode.sandbox_create(_spec(ttl=0.2)) for _ in range(6)))
-    await asyncio.sleep(0.3)
-    results = await asyncio.gather(
-        rnode.reap_once(),
-        *(rnode.sandbox_destroy(i.id) for i in doomed),
-        return_exceptions=True,
-    )
-    for r in results:
-        assert r is None or isinstance(r, (Conflict, SandboxNotFound)), repr(r)
-    for i in doomed:
-        kinds = _destroy_events(rnode, i.id)
-        ends = [k for k in kinds if k in ("destroyed", "ttl_expired")]
-        assert len(ends) == 1 and "destroy_error" not in kinds, (i.id, kinds)
-    assert [i.id for i in await rnode.sandbox_list()] == [keeper.id]
-    assert rnode.backend.layers.mounted() == {keeper.layers[0]: 1}
-    r = await rnode.exec(keeper.id, ExecRequest(cmd=["echo", "still here"]))
-    assert r.stdout == b"still here\n"
+    (a double destroy would release its layers twice, under a neighbour's feet).
+
+    Both orders are forced, not hoped for: every destroy is held in the backend until the
+    other party has tried the same sandbox. The reaper takes the first sandbox and is held
+    there; users then destroy all of them (the first must be refused as already being
+    destroyed, the others start their destroys, held); the reaper, let go, must pass over
+    the sandboxes users are destroying and finish while those are still held."""
+    # The background reaper stays asleep: the test runs the reaper passes itself.
+    n = await Node.open(_cfg(reaper_interval=3600))
+    try:
+        await n.gc(everything=True)
+        keeper = await n.sandbox_create(_spec())
+        made = await asyncio.gather(*(n.sandbox_create(_spec(ttl=0.5)) for _ in range(6)))
+        doomed = [i.id for i in made]
+        # Their TTL runs out; nothing acts on it until this test's reaper pass.
+        while time.time() <= max(i.expires_at or 0 for i in made):
+            await asyncio.sleep(0.05)
+        gates = {sid: asyncio.Event() for sid in doomed}
+        started: dict[str, list[str]] = {sid: [] for sid in doomed}
+        progress = asyncio.Condition()
+        phase = "reaper"  # whose destroys can start now: the reaper alone, then users too
+        destroy = n.backend.destroy
+
+        async def held_destroy(sid, image):  # type: ignore[no-untyped-def]
+            if sid in gates:  # not the keeper, at the end
+                async with progress:
+                    started[sid].append(phase)
+                    progress.notify_all()
+                await gates[sid].wait()
+            return await destroy(sid, image)
+
+        n.backend.destroy = held_destroy  # type: ignore[method-assign]
+
+        first, rest = doomed[0], doomed[1:]
+        reaper = asyncio.create_task(n.reap_once())
+        async with progress:
+            await asyncio.wait_for(progress.wait_for(lambda: started[first]), 30)
+        assert started[first] == ["reaper"] and not any(started[s] for s in rest)
+
+        phase = "users"
+        users = [asyncio.create_task(n.sandbox_destroy(sid)) for sid in doomed]
+        async with progress:
+            await asyncio.wait_for(progress.wait_for(lambda: all(started[s] for s in rest)), 30)
+        with pytest.raises(Conflict, match="already being destroyed"):
+            await asyncio.wait_for(users[0], 30)  # the reaper got there first
+        assert all(started[s] == ["users"] for s in rest)  # users got there first
+
+        gates[first].set()
+        await asyncio.wait_for(reaper, 30)  # passes over the ones users are destroying
+        assert all(not gates[s].is_set() for s in rest)
+        for sid in rest:
+            gates[sid].set()
+        assert await asyncio.gather(*users[1:]) == [None] * len(rest)
+
+        await n.reap_once()  # and a later pass finds nothing more to do
+        for sid in doomed:
+            assert len(started[sid]) == 1, (sid, started[sid])  # one destroy each
+            kinds = _destroy_events(n, sid)
+            ends = [k for k in kinds if k in ("destroyed", "ttl_expired")]
+            want = ["ttl_expired"] if sid == first else ["destroyed"]
+            assert ends == want and "destroy_error" not in kinds, (sid, kinds)
+        assert [i.id for i in await n.sandbox_list()] == [keeper.id]
+        assert n.backend.layers.mounted() == {keeper.layers[0]: 1}
+        r = await n.exec(keeper.id, ExecRequest(cmd=["echo", "still here"]))
+        assert r.stdout == b"still here\n"
+    finally:
+        for g in locals().get("gates", {}).values():
+            g.set()
+        await _shutdown(n)
+    _assert_clean()
 
 
 @pytest.mark.parametrize("who", ["reaper_then_close", "cancelled_caller"])

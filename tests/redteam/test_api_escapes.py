@@ -112,9 +112,15 @@ async def test_symlink_swap_race(guest, target):  # type: ignore[no-untyped-def]
     assert not Path(f"/{name}").exists(), "HOLE: the files API wrote into the host's /"
     assert not Path(f"/tmp/{name}").exists()
     assert not Path("/pwned").exists()
-    # where the writes that succeeded went: the guest's own /work/xd or its own /
+    # Every write either went in or was refused because it met the swapped-in link: "/"
+    # and "../.." resolve inside the root (both states are writable), "/proc/1/root/" is
+    # absent from the root the files API sees (NotFound). Any other refusal (a full disk,
+    # an internal error) means the race was not what this test exercised.
+    allowed = {"ok", "NotFound"} if target.startswith("/proc") else {"ok"}
+    assert set(results) <= allowed and sum(results.values()) == 200, results
+    # Where they went: the guest's own /work/x, /work/alt or its own /; nowhere if refused.
     r = await run(guest, f"ls /work/x/{name} /work/alt/{name} /{name} 2>/dev/null | wc -l")
-    assert int(r.stdout) >= (1 if results.get("ok") else 0), (results, out(r))
+    assert (int(r.stdout) >= 1) == (results.get("ok", 0) > 0), (results, out(r))
     print(f"swap race to {target!r}: {end.stdout.decode().strip()}, API results {results}")
 
 

@@ -441,6 +441,8 @@ def test_image_build_ls_inspect_compose_rm(tmp_path: Path, store_args: list[str]
         "t/tool",
         "--on",
         "t/base",
+        "--dest",
+        "/",  # a toolkit over the root, not a workspace (default /work): workdir inherited
         "--tag",
         "v1",
         "--json",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gzip
+import errno
 import io
 import os
 import socket
@@ -598,9 +599,18 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _race(env: Env, flip_name: str, work: Callable[[int], None], seconds: float = 1.5) -> int:
+def _race(
+    env: Env,
+    flip_name: str,
+    work: Callable[[int], None],
+    seconds: float = 1.5,
+    until: Callable[[], bool] | None = None,
+) -> int:
     """Flip root/<flip_name> between a real directory and symlinks to the outside (atomic
-    exchange and unlink/recreate) while ``work`` runs; return how many work calls ran."""
+    exchange and unlink/recreate) while ``work`` runs; return how many work calls ran.
+
+    ``until``: keep working past ``seconds`` until it is true (the race the test is about
+    was observed), for at most a minute on a loaded machine; the caller asserts it."""
     d = env.root / flip_name
     alt = env.root / (flip_name + "-alt")
     d.mkdir(exist_ok=True)
@@ -638,7 +648,10 @@ def _race(env: Env, flip_name: str, work: Callable[[int], None], seconds: float 
     seen: dict[str, int] = {}
     try:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        cap = deadline + 60
+        while time.monotonic() < deadline or (
+            until is not None and not until() and time.monotonic() < cap
+        ):
             try:
                 work(n)
             except CorralError as e:  # refusals and "not found" are expected
@@ -685,18 +698,49 @@ def test_symlink_swap_race_never_writes_outside(env: Env) -> None:
     # The env fixture asserts that nothing outside the root changed or appeared.
 
 
-def test_recursive_remove_race_never_deletes_outside(env: Env) -> None:
+def test_recursive_remove_race_never_deletes_outside(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Proof that the race ran: the remove's walk met a symlink where it had seen (or was
+    # about to enter) a directory, i.e. an open of a tree entry failed with ELOOP, and
+    # other removes went down into a real t/d and deleted the files written there.
+    met_link = 0
+    emptied = 0
+    removing = False
+    real_open = env.fs._open_beneath
+
+    def counting_open(top: int, parts: tuple[str, ...], flags: int) -> int:
+        nonlocal met_link
+        try:
+            return real_open(top, parts, flags)
+        except OSError as e:
+            if removing and e.errno == errno.ELOOP:
+                met_link += 1
+            raise
+
+    monkeypatch.setattr(env.fs, "_open_beneath", counting_open)
+
     def work(i: int) -> None:
+        nonlocal removing, emptied
         # Built through SandboxFS too: host-side pathlib would itself follow the links.
+        wrote = True
         try:
             env.fs.write("/t/d/x/y/f", b"x")
             env.fs.write("/t/d/g", b"g")
         except CorralError:
-            pass  # the flipper has t/d as a link right now
-        env.fs.remove("/t", recursive=True)
+            wrote = False  # the flipper has t/d as a link right now
+        removing = True
+        try:
+            env.fs.remove("/t", recursive=True)
+        finally:
+            removing = False
+        if wrote and not (env.root / "t").exists():
+            emptied += 1
 
     (env.root / "t").mkdir()
-    _race(env, "t/d", work)
+    _race(env, "t/d", work, until=lambda: met_link > 0 and emptied > 0)
+    assert met_link > 0, "no remove ever met a swapped-in symlink: the race did not run"
+    assert emptied > 0, "no remove ever deleted a real tree under t/d"
 
 
 def test_openat2_wrapper(env: Env) -> None:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from corral.cli import doctor as doctor_cmd
 from corral.cli import events as events_cmd
 from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd
@@ -123,6 +124,7 @@ app.add_typer(fncall_cmd.app, name="fncall")
 app.command("redteam")(redteam_cmd.redteam)
 app.command("top")(observe_cmd.top)
 app.command("ui")(observe_cmd.ui)
+app.command("doctor")(doctor_cmd.doctor)
 
 
 @app.callback()

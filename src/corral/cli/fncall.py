@@ -1,6 +1,7 @@
 """``corral fncall``: run a short program in a warm pool sandbox.
 
-Example: ``corral fncall run --lang python solution.py --stdin input.txt``
+Example: ``corral fncall run --lang python solution.py --stdin input.txt``; ``corral fncall
+setup`` builds the image calls use when they name none (once, cached in the store).
 
 Exit status: 0 when the call's status is ``ok``; 1 otherwise (the status is printed on
 stderr); 2 a CorralError (bad request, no such image).
@@ -63,3 +64,56 @@ def run(
         )
     if r.status != "ok":
         raise typer.Exit(1)
+
+
+@app.command("setup")
+def setup(
+    ctx: typer.Context,
+    suite: Annotated[str, typer.Option(help="Debian release to build on.")] = "bookworm",
+    mirror: Annotated[str | None, typer.Option(help="Debian mirror URL.")] = None,
+    store_dir: Annotated[
+        Path | None,
+        typer.Option("--store", help="Layer store directory (default: the node's store_dir)."),
+    ] = None,
+    rebuild: Annotated[bool, typer.Option(help="Build again even if it exists.")] = False,
+) -> None:
+    """Build the image calls without an image use (fncall/default), once.
+
+    A Debian release with python3, gcc and g++ (the built-in languages python, bash, c,
+    cpp), written to the node's layer store; a node without fncall.default_image uses it.
+    Takes a minute or more (mmdebstrap downloads the packages: 40 s here); later runs
+    find it in the store and return at once.
+    """
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from corral.backends.fncall.config import SETUP_IMAGE, SETUP_PACKAGES
+    from corral.errors import ImageNotFound
+    from corral.images import build
+    from corral.images.store import LayerStore
+
+    g: Globals = ctx.obj
+    store = LayerStore(store_dir if store_dir is not None else g.config().store_dir)
+    if not rebuild:
+        try:
+            img = store.image(SETUP_IMAGE)
+        except ImageNotFound:
+            pass
+        else:
+            err().print(f"{SETUP_IMAGE} is already in {store.root} ({img.digest[:19]})")
+            return
+    err().print(
+        f"building {SETUP_IMAGE}: Debian {suite} with {', '.join(SETUP_PACKAGES)} "
+        "(once; cached in the layer store)"
+    )
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=err(),
+    ) as progress:
+        layer = build.build_debian(
+            store, suite, include=list(SETUP_PACKAGES), mirror=mirror, progress=progress
+        )
+    img = store.put_image(SETUP_IMAGE, [layer.digest], workdir="/")
+    err().print(f"image {SETUP_IMAGE} {img.digest[:19]}: fncall.run(language=...) works now")

@@ -12,7 +12,7 @@ import re
 import time
 from collections.abc import Iterator
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -158,13 +158,25 @@ def build(
     env: Annotated[
         list[str] | None, typer.Option("--env", "-e", metavar="K=V", help="Image environment.")
     ] = None,
-    workdir: Annotated[str | None, typer.Option(help="Image working directory.")] = None,
+    dest: Annotated[
+        str | None,
+        typer.Option(
+            "--dest",
+            help="dir, tar: where the tree goes in the image, and the image's working "
+            "directory. Default for dir: /work when built --on a base image (a workspace), "
+            "/ otherwise (a root filesystem); for tar: /.",
+        ),
+    ] = None,
+    workdir: Annotated[
+        str | None, typer.Option(help="Image working directory (default: --dest, or the base's).")
+    ] = None,
     store_dir: StoreOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Build a layer and write image NAME = (base layers +) the new layer.
 
     Examples: ``corral image build dir ./rootfs --name demo/base``;
+    ``corral image build dir ./repo --on py/pytest --name task/42`` (the repo at /work);
     ``corral image build debian bookworm --include python3,python3-pip --name demo/py``;
     ``corral image build pip --req six==1.16.0 --on demo/py --name demo/py-six``;
     ``corral image build run --cmd 'apt-get -y install git' --network --on demo/py --name x``.
@@ -178,7 +190,15 @@ def build(
     if kind in (Kind.pip, Kind.run) and base is None:
         raise InvalidRequest(f"image build {kind.value} needs --on BASE_IMAGE to build inside")
     image_env = {**(base.env if base else {}), **parse_pairs(env, "--env")}
-    image_workdir = workdir or (base.workdir if base else "/")
+    if dest is not None and kind not in (Kind.dir, Kind.tar):
+        raise InvalidRequest(f"--dest places a dir or tar; image build {kind.value} has no tree")
+    if dest is None:
+        dest = "/work" if kind is Kind.dir and base is not None else "/"
+    if not dest.startswith("/") or ".." in dest.split("/"):
+        raise InvalidRequest(f"--dest {dest!r}: an absolute path in the image without '..'")
+    dest = str(PurePosixPath(dest))
+    in_tree = kind in (Kind.dir, Kind.tar) and dest.rstrip("/") != ""
+    image_workdir = workdir or (dest if in_tree else base.workdir if base else "/")
     # Everything is checked before the progress display starts, so a usage error is one
     # clean line rather than a half-drawn progress bar.
     if kind in (Kind.dir, Kind.tar):
@@ -192,9 +212,9 @@ def build(
         files = {k: Path(v) for k, v in parse_pairs(file, "--file").items()}
     with _progress() as progress:
         if kind is Kind.dir:
-            layer = b.build_dir(store, path, progress=progress)
+            layer = b.build_dir(store, path, dest=dest, progress=progress)
         elif kind is Kind.tar:
-            layer = b.build_tar(store, path, progress=progress)
+            layer = b.build_tar(store, path, dest=dest, progress=progress)
         elif kind is Kind.debian:
             layer = b.build_debian(
                 store,

@@ -16,14 +16,19 @@ from pathlib import Path
 
 from corral.errors import HostError
 
-__all__ = ["build_static"]
+__all__ = ["build_static", "built_path"]
+
+
+def built_path(name: str, source: bytes, out_dir: Path) -> Path:
+    """Where :func:`build_static` puts ``name`` built from ``source`` (it may not exist)."""
+    return Path(out_dir) / f"{name}-{hashlib.sha256(source).hexdigest()[:12]}"
 
 
 def build_static(name: str, source: bytes, cflags: Sequence[str], out_dir: Path) -> Path:
     """``out_dir/<name>-<hash>``, compiled with gcc from ``source`` unless already there.
 
     Raises HostError naming the program and carrying the compiler output on failure."""
-    out = Path(out_dir) / f"{name}-{hashlib.sha256(source).hexdigest()[:12]}"
+    out = built_path(name, source, out_dir)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

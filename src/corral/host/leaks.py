@@ -51,7 +51,8 @@ def _loops(prefixes: list[Path]) -> list[str]:
             backing = (dev / "loop" / "backing_file").read_text().strip()
         except OSError:
             continue
-        if any(backing.startswith(str(p)) for p in prefixes):
+        # A prefix is a directory: /var/lib/corral must not claim /var/lib/corral-test's.
+        if any(backing.startswith(str(p) + "/") for p in prefixes):
             out.append(f"/dev/{dev.name} -> {backing}")
     return out
 

@@ -34,7 +34,7 @@ from corral.errors import HostError
 from corral.host import _sys, mounts, spawn
 from corral.host.userns import SandboxUserns
 
-__all__ = ["OCIRuntime"]
+__all__ = ["OCIRuntime", "pick"]
 
 log = logging.getLogger("corral.runtime")
 
@@ -46,6 +46,31 @@ _GONE = (
     "not running",
     "process already finished",
 )
+
+
+def pick(cgroup_mode: str, prefer: str | None = None) -> tuple[Literal["runc", "crun"], str, bool]:
+    """(name, binary, legacy_view) of the runtime :meth:`OCIRuntime.detect` would use;
+    looks at PATH only, changes nothing (``corral doctor`` asks it too).
+
+    crun first (3x faster to start a container than runc: C vs Go start-up); on hybrid
+    cgroups it runs in the legacy view (see :attr:`OCIRuntime.legacy_view`). ``prefer``
+    forces one; HostError if it (or any) is not installed.
+    """
+    order: list[Literal["runc", "crun"]]
+    if prefer is not None:
+        if prefer not in ("runc", "crun"):
+            raise HostError(f"unknown OCI runtime {prefer!r} (runc or crun)")
+        order = [prefer]  # type: ignore[list-item]
+    else:
+        order = ["crun", "runc"]
+    for name in order:
+        binary = shutil.which(name)
+        if binary:
+            return name, binary, name == "crun" and cgroup_mode == "hybrid"
+    raise HostError(
+        f"no usable OCI runtime: looked for {', '.join(order)} on PATH "
+        f"(cgroup mode {cgroup_mode}); install the Debian package crun or runc"
+    )
 
 
 @dataclass
@@ -103,39 +128,23 @@ class OCIRuntime:
         ``root_tmpfs``: keep ``--root`` on a tmpfs (see :meth:`_prepare_root`); whoever
         asks for it calls :meth:`teardown` when done.
         """
-        order: list[Literal["runc", "crun"]]
-        if prefer is not None:
-            if prefer not in ("runc", "crun"):
-                raise HostError(f"unknown OCI runtime {prefer!r} (runc or crun)")
-            order = [prefer]  # type: ignore[list-item]
-        else:
-            # crun is 3x faster to start a container than runc (C vs Go start-up).
-            order = ["crun", "runc"]
-        for name in order:
-            binary = shutil.which(name)
-            if binary:
-                root = Path(root_base) / name
-                legacy = name == "crun" and cgroup_mode == "hybrid"
-                helper = spawn.ensure_built(helper_dir or Path(root_base) / "bin")
-                try:
-                    exe: int | None = spawn.sealed_copy(binary)
-                except OSError:
-                    exe = None  # no memfd sealing here: the runtime copies itself, slower
-                rt = cls(
-                    name=name,
-                    binary=binary,
-                    root=root,
-                    legacy_view=legacy,
-                    helper=helper,
-                    exe_fd=exe,
-                    root_tmpfs=root_tmpfs,
-                )
-                rt._prepare_root()
-                return rt
-        raise HostError(
-            f"no usable OCI runtime: looked for {', '.join(order)} on PATH "
-            f"(cgroup mode {cgroup_mode}; crun does not support hybrid cgroups)"
+        name, binary, legacy = pick(cgroup_mode, prefer)
+        helper = spawn.ensure_built(helper_dir or Path(root_base) / "bin")
+        try:
+            exe: int | None = spawn.sealed_copy(binary)
+        except OSError:
+            exe = None  # no memfd sealing here: the runtime copies itself, slower
+        rt = cls(
+            name=name,
+            binary=binary,
+            root=Path(root_base) / name,
+            legacy_view=legacy,
+            helper=helper,
+            exe_fd=exe,
+            root_tmpfs=root_tmpfs,
         )
+        rt._prepare_root()
+        return rt
 
     # -- runtime state dir ------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import sys
 import tarfile
 import tempfile
@@ -80,16 +81,63 @@ def _rmtree_unmounted(path: Path) -> None:
 # --------------------------------------------------------------------------- dir, tar
 
 
-def build_dir(store: LayerStore, path: Path, *, progress: Progress | None = None) -> LayerInfo:
-    """A layer of the tree at ``path``, as it is on disk (owners, modes, xattrs...)."""
+def _dest_parts(dest: str) -> tuple[str, ...]:
+    """The path components of an absolute in-image destination (none for ``/``)."""
+    return PurePosixPath(_check_inside_path(dest)).parts[1:]
+
+
+def _make_parents(root: Path, parts: tuple[str, ...]) -> Path:
+    """``root/parts...`` with each level ``0755 root:root``, mtime 0 (a layer's digest must
+    not depend on when it was built); returns the innermost directory."""
+    d = root
+    for part in parts:
+        d = d / part
+        d.mkdir(mode=0o755)
+        os.chmod(d, 0o755)
+    for level in [root / Path(*parts[: i + 1]) for i in range(len(parts))][::-1]:
+        os.utime(level, (0, 0), follow_symlinks=False)
+    return d
+
+
+def build_dir(
+    store: LayerStore, path: Path, *, dest: str = "/", progress: Progress | None = None
+) -> LayerInfo:
+    """A layer of the tree at ``path``, as it is on disk (owners, modes, xattrs...), placed
+    at ``dest`` in the image: ``/`` for a root filesystem, e.g. ``/work`` for a repository
+    stacked on a base image as its workspace (without one the repository's files would
+    land next to /etc and /proc)."""
     path = Path(path)
     if not path.is_dir():
         raise InvalidRequest(f"{path} is not a directory")
-    return store.add_dir(path, kind="dir", source=str(path.resolve()), progress=progress)
+    parts = _dest_parts(dest)
+    source = str(path.resolve())
+    if not parts:
+        return store.add_dir(path, kind="dir", source=source, progress=progress)
+    tmp = _scratch_dir("corral-dir-")
+    try:
+        root = tmp / "rootfs"
+        root.mkdir()
+        target = _make_parents(root, parts[:-1]) / parts[-1]
+        with Step(progress, f"copy {path.name or path} to {dest}") as step:
+            # cp -a keeps owners, modes, links, xattrs and mtimes, as mkfs.erofs would have
+            # read them from ``path`` itself.
+            run_tool(
+                ["cp", "-a", "--", source, str(target)],
+                what=f"copying {path} to {dest} in the layer",
+                step=step,
+            )
+        os.utime(target.parent, (0, 0), follow_symlinks=False)
+        return store.add_dir(
+            root, kind="dir", source=source, meta={"dest": dest}, progress=progress
+        )
+    finally:
+        _rmtree_unmounted(tmp)
 
 
-def build_tar(store: LayerStore, archive: Path, *, progress: Progress | None = None) -> LayerInfo:
-    """A layer of a ``.tar``, ``.tar.gz`` or ``.tgz`` archive.
+def build_tar(
+    store: LayerStore, archive: Path, *, dest: str = "/", progress: Progress | None = None
+) -> LayerInfo:
+    """A layer of a ``.tar``, ``.tar.gz`` or ``.tgz`` archive, extracted at ``dest``.
 
     Extracted as root with owners, modes, setuid bits and xattrs kept; members with an
     absolute path or ``..``, or that would be written through a symlink, are refused.
@@ -97,18 +145,20 @@ def build_tar(store: LayerStore, archive: Path, *, progress: Progress | None = N
     archive = Path(archive)
     if not archive.is_file():
         raise InvalidRequest(f"{archive} is not a file")
+    parts = _dest_parts(dest)
     tmp = _scratch_dir("corral-tar-")
     try:
         root = tmp / "rootfs"
         root.mkdir()
+        target = _make_parents(root, parts[:-1]) / parts[-1] if parts else root
+        target.mkdir(exist_ok=True)
         with Step(progress, f"extract {archive.name}") as step:
-            summary = extract_tar(archive, root, step=step)
+            summary = extract_tar(archive, target, step=step)
+        if parts:
+            os.utime(target.parent, (0, 0), follow_symlinks=False)
+        meta = {"members": str(summary.members), **({"dest": dest} if parts else {})}
         return store.add_dir(
-            root,
-            kind="tar",
-            source=str(archive.resolve()),
-            meta={"members": str(summary.members)},
-            progress=progress,
+            root, kind="tar", source=str(archive.resolve()), meta=meta, progress=progress
         )
     finally:
         _rmtree_unmounted(tmp)
@@ -127,11 +177,49 @@ def _clean_debian_tree(root: Path) -> None:
                     os.unlink(os.path.join(dirpath, f))
     for rel in ("var/log/dpkg.log", "var/log/alternatives.log", "var/log/bootstrap.log"):
         (root / rel).unlink(missing_ok=True)
-    resolv = root / "etc/resolv.conf"
-    if os.path.lexists(resolv):
-        resolv.unlink()
-    resolv.write_text(RESOLV_CONF_PLACEHOLDER)
-    os.chmod(resolv, 0o644)
+    _write_etc(root, "resolv.conf", RESOLV_CONF_PLACEHOLDER)
+    _neutral_host_names(root)
+
+
+NEUTRAL_HOSTNAME = "sandbox"
+"""The hostname images carry (and :class:`corral.spec.SandboxSpec`'s default)."""
+NEUTRAL_HOSTS = (
+    "127.0.0.1\tlocalhost\n"
+    f"127.0.1.1\t{NEUTRAL_HOSTNAME}\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "ff02::1\tip6-allnodes\n"
+    "ff02::2\tip6-allrouters\n"
+)
+
+
+def _write_etc(root: Path, name: str, text: str) -> None:
+    """Replace ``root/etc/name`` (a file or a symlink, never followed) with ``text``."""
+    path = root / "etc" / name
+    if os.path.lexists(path):
+        path.unlink()
+    path.write_text(text)
+    os.chmod(path, 0o644)
+
+
+def _neutral_host_names(root: Path) -> None:
+    """No build host's name in the image: mmdebstrap copies the host's /etc/hostname (here
+    "vm") into the tree, and every sandbox would read it. /etc/hosts is replaced when it
+    names the build host, and written when missing (minbase has none), so ``localhost``
+    and the sandbox's own name resolve without DNS."""
+    _write_etc(root, "hostname", NEUTRAL_HOSTNAME + "\n")
+    hosts = root / "etc/hosts"
+    build_host = socket.gethostname()
+    text = "" if os.path.islink(hosts) else _read_or_empty(hosts)
+    names = {w for line in text.splitlines() for w in line.split("#", 1)[0].split()[1:]}
+    if not text or build_host in names or build_host.split(".")[0] in names:
+        _write_etc(root, "hosts", NEUTRAL_HOSTS)
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def build_debian(

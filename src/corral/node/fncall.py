@@ -23,9 +23,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from corral.backends.fncall.checkers import judged
-from corral.backends.fncall.config import FnCallConfig, LanguageConfig, PoolConfig
+from corral.backends.fncall.config import SETUP_IMAGE, FnCallConfig, LanguageConfig, PoolConfig
 from corral.backends.fncall.sandbox import Measured, PoolSandbox
-from corral.errors import CorralError, InvalidRequest, SandboxError
+from corral.errors import CorralError, ImageNotFound, InvalidRequest, SandboxError
 from corral.spec import (
     CallLimits,
     CallRequest,
@@ -281,14 +281,20 @@ class FnCallService:
             await self.node.sandbox_destroy(ps.sid)
 
     def _pool(self, image: str | None) -> _Pool:
-        name = image or self.config.default_image
-        if not name:
-            raise InvalidRequest(
-                "image: no image given and the node has no fncall.default_image configured"
-            )
+        name = image or self.config.default_image or SETUP_IMAGE
         pool = self.pools.get(name)
         if pool is None:
-            self.node.store.image(name)  # ImageNotFound now, not at the first create
+            try:
+                self.node.store.image(name)  # ImageNotFound now, not at the first create
+            except ImageNotFound:
+                if name != SETUP_IMAGE or image:
+                    raise
+                raise InvalidRequest(
+                    "image: no image given, the node has no fncall.default_image configured "
+                    f"and its store has no {SETUP_IMAGE}: build that once with `corral "
+                    "fncall setup` on the node's host (Debian with python3, gcc and g++; about a "
+                    "minute, then cached in the store), or pass image=..."
+                ) from None
             cfg = PoolConfig(image=name, size=self.config.on_demand_size)
             pool = self.pools[name] = _Pool(self, cfg)
         return pool

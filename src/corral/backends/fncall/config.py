@@ -18,7 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from corral.spec import ByteSize, CallLimits
 
-__all__ = ["LanguageConfig", "PoolConfig", "FnCallConfig", "DEFAULT_LANGUAGES"]
+__all__ = [
+    "LanguageConfig",
+    "PoolConfig",
+    "FnCallConfig",
+    "DEFAULT_LANGUAGES",
+    "SETUP_IMAGE",
+    "SETUP_PACKAGES",
+]
+
+SETUP_IMAGE = "fncall/default"
+"""Image of calls that name none on a node without ``default_image``: built once into the
+store by ``corral fncall setup`` (a Debian release with :data:`SETUP_PACKAGES`)."""
+SETUP_PACKAGES = ("python3", "gcc", "g++", "libc6-dev")
+"""What the built-in languages need beyond Debian's minbase (which has bash)."""
 
 
 class LanguageConfig(BaseModel):

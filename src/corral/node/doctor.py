@@ -1,0 +1,695 @@
+"""``corral doctor``: is this host fit to serve sandboxes, and what to do where it is not.
+
+Every check reads; none changes the host (no sysctl written, no module loaded, nothing
+mounted or built). A check is *fatal* when a node could not work without it (no OCI
+runtime, no EROFS, no seccomp user notification...): :meth:`Node.open` refuses to start on
+a fatal failure. The others are warnings: limits that bound density (``kernel.pid_max``,
+``user.max_*_namespaces``...), optional kernel features (landlock scoping, core
+scheduling, CRIU), and what a crashed node left behind (the next open recovers it, or
+``corral node gc`` removes it). A check names what it saw (``detail``) and, when it fails,
+what to do (``fix``).
+
+The kernel is read through a root directory (``/`` on a real host) and the few probes that
+are system calls or commands go through :class:`Probes`, so tests run the logic on fake
+``/proc`` and ``/sys`` trees.
+
+Example::
+
+    checks = run_checks(NodeConfig())
+    for c in fatal_failures(checks):
+        print(c.name, c.detail, c.fix)
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import fcntl
+import os
+import re
+import resource
+import shutil
+import sqlite3
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from corral.errors import HostError
+from corral.host import criu, fdstore, landlock, leaks, sched, spawn
+from corral.host.cbuild import built_path
+from corral.host.cgroups import detect_mode
+from corral.host.runtime import pick
+from corral.node.config import NodeConfig
+
+__all__ = ["Check", "Probes", "run_checks", "fatal_failures"]
+
+_GIB = 1 << 30
+_MIN_FREE = _GIB
+"""Below this the scratch filesystem, the database and the layer mounts' bookkeeping fail
+in ways a sandbox's user sees as random errors: fatal."""
+_SANDBOX_ID = re.compile(r"sb-[0-9a-z]{12}")
+
+
+class Check(BaseModel):
+    """The outcome of one check (the JSON of ``corral doctor --json`` lists these)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    ok: bool
+    detail: str
+    """What was found, e.g. ``hybrid: cpu, memory, pids, freezer mounted``."""
+    fix: str = ""
+    """What to do when not ok; empty when ok."""
+    fatal: bool = False
+    """Whether a node can serve without this check passing (False: a warning). Said of
+    passing checks too, so automation sees which checks are required."""
+
+
+def fatal_failures(checks: list[Check]) -> list[Check]:
+    """The checks that stop a node from starting."""
+    return [c for c in checks if c.fatal and not c.ok]
+
+
+def _run_version(binary: str) -> str | None:
+    """First line of ``binary --version``; None if it does not run."""
+    try:
+        p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (p.stdout or p.stderr).strip().splitlines()
+    return lines[0].strip() if p.returncode == 0 and lines else None
+
+
+def _nft_probe() -> str | None:
+    """None if libnftables lists the ruleset (read-only), else why not."""
+    from corral.host.nft import Nft
+
+    try:
+        nft = Nft()
+    except HostError as e:
+        return e.message
+    try:
+        nft.run("list tables")
+    except HostError as e:
+        return e.message
+    finally:
+        nft.close()
+    return None
+
+
+def _gcc_static() -> str | None:
+    """None if gcc can link static programs (libc.a present), else why not."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        return "gcc is not installed"
+    try:
+        p = subprocess.run(
+            [gcc, "-print-file-name=libc.a"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"gcc does not run: {e}"
+    if not os.path.isabs(p.stdout.strip()):
+        return "gcc finds no static C library (libc.a, Debian package libc6-dev)"
+    return None
+
+
+def _node_running(state_dir: Path) -> bool:
+    """Whether a node holds ``state_dir``'s lock (a flock, see Node.open). A node in this
+    very process counts too: flock locks belong to open file descriptions."""
+    try:
+        fd = os.open(state_dir / "node.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own lock
+    return False
+
+
+def _live_ids(state_dir: Path) -> set[str]:
+    """Sandboxes the state database calls live (read-only; empty without a database)."""
+    db = state_dir / "state.db"
+    if not db.exists():
+        return set()
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = con.execute("SELECT id FROM sandboxes WHERE state != 'destroyed'").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return set()
+    return {r[0] for r in rows}
+
+
+def _scan_leftovers(cfg: NodeConfig) -> dict[str, list[str]]:
+    """host/leaks.py's scan of this node's dirs and cgroup subtree. Without named network
+    namespaces: the node makes none (the runtime's are unnamed), and a ``corral-`` prefix
+    would claim other software's and tests' (``corral-test-...``)."""
+    found = leaks.scan(cfg.state_dir, cfg.run_dir, cfg.cgroup_subtree, f"{cfg.cgroup_subtree}-")
+    found.pop("netns", None)
+    return found
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@dataclass
+class Probes:
+    """The checks' system calls and commands; tests replace them. Defaults: the real ones."""
+
+    which: Callable[[str], str | None] = shutil.which
+    euid: Callable[[], int] = os.geteuid
+    landlock: Callable[[], tuple[int, str]] = landlock.support
+    core_scheduling: Callable[[], tuple[bool, str]] = sched.core_scheduling
+    criu: Callable[[], tuple[bool, str]] = criu.checkpoint_support
+    runtime: Callable[[str, str | None], tuple[str, str, bool]] = pick
+    version: Callable[[str], str | None] = _run_version
+    nft: Callable[[], str | None] = _nft_probe
+    gcc: Callable[[], str | None] = _gcc_static
+    free_bytes: Callable[[Path], int] = _free_bytes
+    nofile: Callable[[], int] = field(default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    node_running: Callable[[Path], bool] = _node_running
+    live_ids: Callable[[Path], set[str]] = _live_ids
+    leftovers: Callable[[NodeConfig], dict[str, list[str]]] = _scan_leftovers
+    holder_pid: Callable[[Path], int | None] = fdstore.holder_pid
+    libnftables: Callable[[], str | None] = field(
+        default=lambda: ctypes.util.find_library("nftables")
+    )
+
+
+@dataclass
+class _Host:
+    """Reads of the kernel's files below ``root``."""
+
+    root: Path
+
+    def read(self, rel: str) -> str | None:
+        try:
+            return (self.root / rel.lstrip("/")).read_text()
+        except OSError:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / rel.lstrip("/")).exists()
+
+    def sysctl(self, name: str) -> int | None:
+        text = self.read("proc/sys/" + name.replace(".", "/"))
+        try:
+            return int(text.split()[0]) if text else None
+        except ValueError:
+            return None
+
+    def filesystem(self, fstype: str, module: str) -> str | None:
+        """How ``fstype`` is available: registered, or a module the kernel can load."""
+        text = self.read("proc/filesystems") or ""
+        if any(line.split()[-1:] == [fstype] for line in text.splitlines()):
+            return "registered"
+        release = (self.read("proc/sys/kernel/osrelease") or "").strip()
+        pattern = re.compile(rf"(^|/){re.escape(module)}\.ko(\.[a-z]+)?(:|$)", re.M)
+        for index in ("modules.builtin", "modules.dep"):
+            if pattern.search(self.read(f"lib/modules/{release}/{index}") or ""):
+                return "module"
+        return None
+
+
+@dataclass
+class _Ctx:
+    config: NodeConfig
+    host: _Host
+    probes: Probes
+
+
+def _c(name: str, ok: bool, detail: str, fix: str = "", *, fatal: bool = False) -> Check:
+    return Check(name=name, ok=ok, detail=detail, fix="" if ok else fix, fatal=fatal)
+
+
+# ------------------------------------------------------------------ kernel features
+
+
+def _root(x: _Ctx) -> Check:
+    euid = x.probes.euid()
+    return _c(
+        "root",
+        euid == 0,
+        "running as root" if euid == 0 else f"running as uid {euid}",
+        "run the node (and this check) as root: it mounts layers, makes cgroups and user "
+        "namespaces for other uids",
+        fatal=True,
+    )
+
+
+def _userns(x: _Ctx) -> Check:
+    limit = x.host.sysctl("user.max_user_namespaces")
+    if not x.host.exists("proc/self/ns/user"):
+        return _c(
+            "user namespaces",
+            False,
+            "the kernel has no user namespaces",
+            "use a kernel built with CONFIG_USER_NS=y: every sandbox's root maps to an "
+            "unprivileged host uid through one",
+            fatal=True,
+        )
+    if limit == 0:
+        return _c(
+            "user namespaces",
+            False,
+            "user.max_user_namespaces is 0: none can be created",
+            "sysctl -w user.max_user_namespaces=65536 (and in /etc/sysctl.d/)",
+            fatal=True,
+        )
+    return _c("user namespaces", True, f"available (max {limit})", fatal=True)
+
+
+_CGROUP_NEEDS = ("cpu", "memory", "pids")
+
+
+def _cgroup_controllers(mountinfo: str) -> set[str]:
+    """Controllers of the v1 hierarchies in a mountinfo (their super options)."""
+    found: set[str] = set()
+    for line in mountinfo.splitlines():
+        _pre, _, post = line.partition(" - ")
+        parts = post.split()
+        if len(parts) >= 3 and parts[0] == "cgroup":
+            found.update(parts[2].split(","))
+    return found
+
+
+def _cgroups(x: _Ctx) -> Check:
+    name = "cgroups"
+    mountinfo = x.host.read("proc/self/mountinfo") or ""
+    try:
+        mode = detect_mode(mountinfo)
+    except HostError as e:
+        return _c(name, False, e.message, "mount cgroup2 at /sys/fs/cgroup", fatal=True)
+    if mode == "v2":
+        have = set((x.host.read("sys/fs/cgroup/cgroup.controllers") or "").split())
+        needs: tuple[str, ...] = _CGROUP_NEEDS
+    else:
+        have = _cgroup_controllers(mountinfo)
+        needs = (*_CGROUP_NEEDS, "freezer")
+    missing = [c for c in needs if c not in have]
+    shown = ", ".join(c for c in (*needs, "cpuset", "io", "blkio") if c in have)
+    if missing:
+        return _c(
+            name,
+            False,
+            f"{mode}: controllers missing: {', '.join(missing)} (have {shown or 'none'})",
+            "enable them (cgroup_enable=... on the kernel command line, or mount the v1 "
+            "hierarchies); sandboxes' limits and pause depend on them",
+            fatal=True,
+        )
+    note = " (v1 controllers beside a cgroup2; crun runs in a v1 view)" if mode == "hybrid" else ""
+    return _c(name, True, f"{mode}{note}: {shown}", fatal=True)
+
+
+def _fs_check(x: _Ctx, name: str, fstype: str, module: str, why: str) -> Check:
+    how = x.host.filesystem(fstype, module)
+    if how is None:
+        return _c(
+            name,
+            False,
+            f"{fstype} is neither registered nor a loadable module",
+            f"use a kernel with {fstype} ({why})",
+            fatal=True,
+        )
+    loaded = " (loaded on first mount)" if how == "module" else ""
+    return _c(name, True, f"{fstype} {how}{loaded}", fatal=True)
+
+
+def _erofs(x: _Ctx) -> Check:
+    c = _fs_check(x, "erofs", "erofs", "erofs", "image layers are EROFS files")
+    if c.ok and x.probes.which("mkfs.erofs") is None:
+        return _c(
+            "erofs",
+            False,
+            c.detail + "; mkfs.erofs is not installed: snapshots and image builds fail",
+            "apt-get install erofs-utils",
+        )
+    return c
+
+
+def _overlay(x: _Ctx) -> Check:
+    return _fs_check(x, "overlayfs", "overlay", "overlay", "a sandbox's root is an overlay")
+
+
+def _btrfs(x: _Ctx) -> Check:
+    name = "btrfs quotas"
+    c = _fs_check(x, name, "btrfs", "btrfs", "writable layers live in a btrfs with qgroups")
+    if not c.ok:
+        return c
+    missing = [t for t in ("mkfs.btrfs",) if x.probes.which(t) is None]
+    if missing or not x.host.exists("dev/loop-control"):
+        what = "mkfs.btrfs is not installed" if missing else "no /dev/loop-control"
+        return _c(
+            name,
+            False,
+            f"{c.detail}; {what}: the scratch filesystem cannot be made",
+            "apt-get install btrfs-progs" if missing else "load the loop module (modprobe loop)",
+            fatal=True,
+        )
+    release = (x.host.read("proc/sys/kernel/osrelease") or "").strip()
+    m = re.match(r"(\d+)\.(\d+)", release)
+    simple = bool(m) and (int(m.group(1)), int(m.group(2))) >= (6, 7)  # type: ignore[union-attr]
+    quotas = "simple quotas (squota)" if simple else "full qgroups (squota needs Linux 6.7)"
+    return _c(name, True, f"{c.detail}, mkfs.btrfs and loop devices present; {quotas}", fatal=True)
+
+
+def _landlock(x: _Ctx) -> Check:
+    abi, detail = x.probes.landlock()
+    ok = abi >= landlock.SCOPED_ABI
+    return _c(
+        "landlock",
+        ok,
+        f"ABI {abi}: {detail}" if abi else detail,
+        f"Linux 6.12+ with landlock enabled (lsm=...,landlock) gives ABI {landlock.SCOPED_ABI}",
+    )
+
+
+def _seccomp_notify(x: _Ctx) -> Check:
+    actions = (x.host.read("proc/sys/kernel/seccomp/actions_avail") or "").split()
+    ok = "user_notif" in actions
+    return _c(
+        "seccomp user notify",
+        ok,
+        "SCMP_ACT_NOTIFY available" if ok else f"seccomp actions: {' '.join(actions) or 'none'}",
+        "use a kernel with CONFIG_SECCOMP_FILTER (Linux 5.0+): every sandbox's profile "
+        "reports refused calls through a notification fd",
+        fatal=True,
+    )
+
+
+def _nftables(x: _Ctx) -> Check:
+    needed = bool(x.config.network.permissions)
+    why = x.probes.nft() if x.probes.libnftables() else "libnftables is not installed"
+    use = (
+        "sandbox egress permissions are configured"
+        if needed
+        else "no egress permissions configured"
+    )
+    if why is None:
+        return _c("nftables", True, f"libnftables works ({use})", fatal=needed)
+    return _c(
+        "nftables",
+        False,
+        f"{why} ({use}{'' if needed else ': only needed once some are'})",
+        "apt-get install nftables (and a kernel with nf_tables)",
+        fatal=needed,
+    )
+
+
+def _core_sched(x: _Ctx) -> Check:
+    ok, detail = x.probes.core_scheduling()
+    return _c(
+        "core scheduling",
+        ok,
+        detail,
+        "optional: a kernel with CONFIG_SCHED_CORE on SMT hardware keeps sandboxes of "
+        "different tenants off sibling hyperthreads",
+    )
+
+
+def _criu(x: _Ctx) -> Check:
+    ok, detail = x.probes.criu()
+    return _c(
+        "criu",
+        ok,
+        "criu check passes" if ok else detail,
+        "optional: corral does not use it; forks and snapshots copy files, not processes",
+    )
+
+
+# ------------------------------------------------------------------ what the node needs
+
+
+def _runtime(x: _Ctx) -> Check:
+    mountinfo = x.host.read("proc/self/mountinfo") or ""
+    try:
+        mode = detect_mode(mountinfo)
+        container = x.config.backend_config("container")
+        runtime = container.runtime if container is not None else "auto"
+        prefer = None if runtime == "auto" else runtime
+        name, binary, legacy = x.probes.runtime(mode, prefer)
+    except HostError as e:
+        return _c("oci runtime", False, e.message, "apt-get install crun (or runc)", fatal=True)
+    version = x.probes.version(binary)
+    if version is None:
+        return _c(
+            "oci runtime",
+            False,
+            f"{binary} --version fails",
+            f"reinstall {name}",
+            fatal=True,
+        )
+    view = " in a v1 view of the hybrid cgroups" if legacy else ""
+    return _c("oci runtime", True, f"{name} ({version}) at {binary}{view}", fatal=True)
+
+
+def _helpers(x: _Ctx) -> Check:
+    """corral-init, corral-spawn and corral-fdstore are compiled at node start."""
+    from corral import init
+
+    out = x.config.state_dir / "bin"
+    progs = {
+        "corral-init": init.SOURCE.read_bytes(),
+        "corral-spawn": spawn.SOURCE.encode(),
+        fdstore.PROGRAM: fdstore.SOURCE.encode(),
+    }
+    missing = [n for n, src in progs.items() if not built_path(n, src, out).is_file()]
+    if not missing:
+        return _c("helper programs", True, f"built in {out}", fatal=True)
+    why = x.probes.gcc()
+    if why is None:
+        return _c(
+            "helper programs", True, f"gcc builds {', '.join(missing)} at node start", fatal=True
+        )
+    return _c(
+        "helper programs",
+        False,
+        f"{', '.join(missing)} not built in {out} and {why}",
+        "apt-get install gcc libc6-dev",
+        fatal=True,
+    )
+
+
+def _fd_holder(x: _Ctx) -> Check:
+    pid = x.probes.holder_pid(x.config.run_dir)
+    if pid is None:
+        detail = "not running; the node starts it (it keeps seccomp fds across agent restarts)"
+    else:
+        detail = f"pid {pid} serves {x.config.run_dir / fdstore.SOCK_NAME}"
+    return _c("seccomp fd holder", True, detail)
+
+
+def _disk(x: _Ctx) -> Check:
+    cfg = x.config
+    dirs = {cfg.state_dir: x.probes.free_bytes(cfg.state_dir)}
+    if cfg.store_dir != cfg.state_dir / "store":
+        dirs[cfg.store_dir] = x.probes.free_bytes(cfg.store_dir)
+    low = {d: n for d, n in dirs.items() if n < _MIN_FREE}
+    shown = ", ".join(f"{d}: {n / _GIB:.1f} GiB free" for d, n in dirs.items())
+    if low:
+        return _c(
+            "free disk",
+            False,
+            shown,
+            f"free at least {_MIN_FREE // _GIB} GiB there (corral image rm, corral node gc)",
+            fatal=True,
+        )
+    need = cfg.scratch_size + (cfg.swap.size if cfg.swap.kind == "file" else 0)
+    if dirs[cfg.state_dir] < need:
+        return _c(
+            "free disk",
+            False,
+            f"{shown}; the sparse scratch image may grow to {cfg.scratch_size / _GIB:.0f} GiB"
+            + (" plus the swap file" if cfg.swap.kind == "file" else ""),
+            "free more disk, or lower scratch_size in node.toml to what the disk holds",
+        )
+    return _c("free disk", True, shown, fatal=True)
+
+
+_Need = Callable[[int], int]
+_SYSCTLS: tuple[tuple[str, _Need, str], ...] = (
+    ("kernel.pid_max", lambda n: max(32768, 16 * n), "every task of every sandbox takes a pid"),
+    ("kernel.threads-max", lambda n: 16 * n, "host-wide task limit"),
+    ("user.max_user_namespaces", lambda n: 2 * n, "one per sandbox and image build"),
+    ("user.max_mnt_namespaces", lambda n: 2 * n, "one per sandbox"),
+    ("user.max_pid_namespaces", lambda n: n, "one per sandbox"),
+    ("user.max_net_namespaces", lambda n: n, "one per sandbox"),
+    ("fs.file-max", lambda n: 64 * n, "open files of all sandboxes and the node"),
+    ("fs.nr_open", lambda n: 4 * n, "caps the node agent's own open files"),
+    ("fs.inotify.max_user_instances", lambda n: 128, "per sandbox, each has its own owner uid"),
+    ("fs.inotify.max_user_watches", lambda n: 65536, "per user; file watchers in sandboxes"),
+    ("vm.max_map_count", lambda n: 65530, "per process; JVMs and databases want 262144"),
+    ("kernel.keys.maxkeys", lambda n: 200, "per user; sandboxes get no session keyrings"),
+    ("kernel.pty.max", lambda n: n, "one per interactive shell"),
+)
+
+
+def _sysctls(x: _Ctx) -> list[Check]:
+    n = x.config.max_sandboxes
+    out = []
+    for name, need, why in _SYSCTLS:
+        value, want = x.host.sysctl(name), need(n)
+        if value is None:
+            out.append(_c(f"sysctl {name}", True, f"not present in this kernel ({why})"))
+            continue
+        ok = value >= want
+        out.append(
+            _c(
+                f"sysctl {name}",
+                ok,
+                f"{value} (>= {want} for max_sandboxes {n}: {why})",
+                f"sysctl -w {name}={want} (persist in /etc/sysctl.d/), or lower max_sandboxes",
+            )
+        )
+    nofile, want = x.probes.nofile(), 4 * n
+    out.append(
+        _c(
+            "open files limit",
+            nofile >= want,
+            f"RLIMIT_NOFILE {nofile} (>= {want} for max_sandboxes {n}: the node keeps ~4 fds "
+            "per sandbox, e.g. its control connection and seccomp fd)",
+            f"ulimit -n {want} before starting the node (LimitNOFILE= in a systemd unit)",
+        )
+    )
+    return out
+
+
+def _pinned_by(x: _Ctx, prefixes: list[Path]) -> list[str]:
+    """Processes in other mount namespaces holding a copy of a mount below ``prefixes``.
+
+    A mount namespace made while the node's mounts were up (``unshare -m`` by any tool)
+    keeps copies of them, and so their loop devices, busy until its last process ends;
+    no unmount in the host's namespace, ``corral node gc``'s included, frees them.
+    """
+    proc = x.host.root / "proc"
+
+    def ns(pid: str) -> str | None:
+        try:
+            return os.readlink(proc / pid / "ns" / "mnt")
+        except OSError:
+            return None
+
+    own, seen, out = ns("self"), set(), []
+    wanted = [str(p) for p in prefixes]
+    try:
+        pids = sorted((d for d in os.listdir(proc) if d.isdigit()), key=int)
+    except OSError:
+        return []
+    for pid in pids:
+        mnt = ns(pid)
+        if mnt is None or mnt == own or mnt in seen:
+            continue
+        seen.add(mnt)
+        for line in (x.host.read(f"proc/{pid}/mountinfo") or "").splitlines():
+            fields = line.split()
+            point = fields[4].replace("\\040", " ") if len(fields) > 4 else ""
+            if any(point == w or point.startswith(w + "/") for w in wanted):
+                comm = (x.host.read(f"proc/{pid}/comm") or "?").strip()
+                out.append(f"pid {pid} ({comm})")
+                break
+    return out
+
+
+def _leftovers(x: _Ctx) -> Check:
+    cfg = x.config
+    found = {k: v for k, v in x.probes.leftovers(cfg).items() if v}
+    if x.probes.node_running(cfg.state_dir):
+        return _c(
+            "leftovers",
+            True,
+            f"a node is running on {cfg.state_dir}: its {leaks.total(found)} mounts, cgroups, "
+            "containers... are in use",
+        )
+    live = x.probes.live_ids(cfg.state_dir)
+    orphans: dict[str, list[str]] = {}
+    for kind, items in found.items():
+        for item in items:
+            ids = set(_SANDBOX_ID.findall(item))
+            if kind == "processes":
+                ids = set(_SANDBOX_ID.findall(x.host.read(f"proc/{item}/cgroup") or ""))
+            # Shared parts (layer mounts, the scratch fs, the fd holder) serve live sandboxes.
+            if (ids and not ids & live) or (not ids and not live):
+                orphans.setdefault(kind, []).append(item)
+    kept = f"; {len(live)} sandboxes recorded live (the next node adopts them)" if live else ""
+    if not orphans:
+        return _c("leftovers", True, f"none on {cfg.state_dir} and {cfg.run_dir}{kept}")
+    shown = ", ".join(f"{len(v)} {k}" for k, v in orphans.items())
+    items = [i for v in orphans.values() for i in v]
+    sample = next((i for i in items if _SANDBOX_ID.search(i)), items[0])
+    where = "" if cfg.state_dir == NodeConfig().state_dir else f" --state-dir {cfg.state_dir}"
+    fix = f"corral{where} node gc (or start the node: it recovers them)"
+    held = ""
+    if orphans.keys() & {"mounts", "loop_devices"}:
+        pinned = _pinned_by(x, [cfg.state_dir, cfg.run_dir])
+        if pinned:
+            held = f"; copies of its mounts are held in the mount namespaces of {', '.join(pinned[:3])}"
+            fix = (
+                "end those processes (their mount namespace was made while the node's mounts "
+                f"were up, and keeps them busy), then {fix}"
+            )
+    return _c("leftovers", False, f"a stopped node left {shown} (e.g. {sample}){held}{kept}", fix)
+
+
+_REQUIRED = (
+    _root,
+    _runtime,
+    _userns,
+    _cgroups,
+    _erofs,
+    _overlay,
+    _btrfs,
+    _seccomp_notify,
+    _nftables,
+    _helpers,
+    _disk,
+)
+"""The checks that can fail fatally (what :meth:`Node.open` needs to run)."""
+
+
+def run_checks(
+    config: NodeConfig,
+    *,
+    root: Path = Path("/"),
+    probes: Probes | None = None,
+    fatal_only: bool = False,
+) -> list[Check]:
+    """Every check of ``corral doctor`` for a node with ``config``, in display order.
+
+    ``fatal_only``: only the checks that can stop a node (a node's start: ~20 ms here,
+    skipping the leftover scan of every process's cgroup, which its recovery redoes).
+    ``root``: where the kernel's /proc, /sys, /dev and /lib/modules are read (tests use a
+    fake tree); ``probes``: the system calls and commands (see :class:`Probes`).
+    """
+    x = _Ctx(config, _Host(Path(root)), probes or Probes())
+    if fatal_only:
+        return [check(x) for check in _REQUIRED]
+    return [
+        _root(x),
+        _runtime(x),
+        _userns(x),
+        _cgroups(x),
+        _erofs(x),
+        _overlay(x),
+        _btrfs(x),
+        _seccomp_notify(x),
+        _landlock(x),
+        _nftables(x),
+        _helpers(x),
+        _fd_holder(x),
+        _disk(x),
+        _leftovers(x),
+        *_sysctls(x),
+        _core_sched(x),
+        _criu(x),
+    ]
