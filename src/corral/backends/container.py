@@ -201,9 +201,6 @@ class ContainerBackend:
             },
         )
 
-    def mounted_layers(self) -> int:
-        return len(self.layers.mounted()) if self._started else 0
-
     # ------------------------------------------------------------------ paths and handles
     def dir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id

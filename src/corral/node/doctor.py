@@ -49,7 +49,7 @@ _GIB = 1 << 30
 _MIN_FREE = _GIB
 """Below this the scratch filesystem, the database and the layer mounts' bookkeeping fail
 in ways a sandbox's user sees as random errors: fatal."""
-_SANDBOX_ID = re.compile(r"sb-[0-9a-z]{12}")
+_SANDBOX_ID = re.compile(r"sb-[0-9a-z]{12}-[0-9a-z]{1,16}")
 
 
 class Check(BaseModel):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import ValidationError
 
-from corral.backends.base import Backend, HostContext, Meters
+from corral.backends.base import Backend, HostContext
 from corral.backends.initclient import InitExit
 from corral.backends.shell import STATE_DIR as SHELL_STATE_DIR
 from corral.errors import Conflict, CorralError, HostError, InvalidRequest
@@ -289,10 +289,6 @@ class Node:
                     qos=info.spec.qos,
                     failed=failed,
                 )
-
-    def meters(self, sandbox_id: str) -> Meters:
-        info = self.table.get(sandbox_id)
-        return Meters() if info is None else self.backends.of(info).meters(sandbox_id)
 
     # ------------------------------------------------------------------ images
     async def image_get(self, name: str) -> ImageInfo:
