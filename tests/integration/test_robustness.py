@@ -24,6 +24,7 @@ from corral.errors import (
     ImageNotFound,
     InvalidRequest,
     LayerCorrupt,
+    QuotaExceeded,
     SandboxError,
     SandboxNotFound,
 )
@@ -838,7 +839,7 @@ async def test_disk_pressure_is_per_sandbox(rnode: Node) -> None:
     r = await rnode.exec(hog.id, ExecRequest(cmd=["sh", "-c", "echo more > /tmp/more"]))
     assert r.exit_code != 0  # still full
     # the files API says so clearly, and its half-written temporary file does not stay
-    with pytest.raises(InvalidRequest, match="/tmp/api: disk quota exceeded|No space"):
+    with pytest.raises(QuotaExceeded, match="/tmp/api: disk quota exceeded"):
         await rnode.file_write(hog.id, "/tmp/api", b"z" * (8 << 20))
     assert {e.name for e in await rnode.file_list(hog.id, "/tmp")} == {"fill"}
     # the other sandbox writes 32 MiB, by exec and through the files API
