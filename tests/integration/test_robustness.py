@@ -232,7 +232,7 @@ async def test_destroy_with_execs_in_flight(rnode: Node) -> None:
     await asyncio.sleep(0.1)
     t0 = time.monotonic()
     await rnode.sandbox_destroy(sid)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # generous: a destroy waiting on its execs would hang
     done = await asyncio.wait_for(asyncio.gather(exec_task, stream_task, return_exceptions=True), 5)
     for r in done:
         # a result (killed) or a clear corral error, never anything raw
@@ -337,7 +337,9 @@ async def test_destroy_with_busy_root_does_not_stall_the_node(rnode: Node) -> No
     hb.cancel()
     for res in await asyncio.gather(*reads, return_exceptions=True):
         assert isinstance(res, (bytes, SandboxNotFound)), repr(res)
-    assert stall < 0.5, f"event loop stalled {stall:.2f} s during destroy"
+    # Generous (a loaded machine delays a 2 ms heartbeat too); the unmount's busy-wait
+    # on the event loop would stall it for as long as the reads keep the overlay busy.
+    assert stall < 2.0, f"event loop stalled {stall:.2f} s during destroy"
     assert "destroy_error" not in _destroy_events(rnode, info.id)
 
 
@@ -818,7 +820,7 @@ async def test_stuck_init_gives_an_error_not_a_hang(rnode: Node) -> None:
     os.kill(info.pid, signal.SIGSTOP)  # destroy copes with a stopped init too
     t0 = time.monotonic()
     await rnode.sandbox_destroy(info.id)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # generous: a destroy waiting on the stopped init hangs
     assert "destroy_error" not in _destroy_events(rnode, info.id)
 
 

@@ -265,7 +265,8 @@ def test_special_files_are_refused(env: Env) -> None:
                 env.fs.read(name)
             with pytest.raises(PathRefused):
                 env.fs.write(name, b"x", append=True)
-        assert time.monotonic() - t0 < 2  # the fifo was never opened (it would block)
+        # generous: had the fifo been opened, the read would block forever
+        assert time.monotonic() - t0 < 30
         os.symlink("/null", env.root / "nulllink")
         with pytest.raises(PathRefused):
             env.fs.read("/nulllink")
