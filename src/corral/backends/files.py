@@ -177,7 +177,8 @@ _MESSAGES: dict[int, tuple[type[CorralError], str]] = {
     errno.EDQUOT: (
         QuotaExceeded,
         "disk quota exceeded: the sandbox's disk (Limits.disk) is full; delete files "
-        "in the sandbox or create it with a larger Limits.disk",
+        "in the sandbox or create it with a larger Limits.disk (if it holds far less, "
+        "retry: btrfs can refuse briefly while metadata waits for a commit)",
     ),
     errno.ENOSPC: (
         ScratchFull,
