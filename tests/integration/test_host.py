@@ -438,7 +438,9 @@ def test_cgroups_pids_limit(cgroups: Cgroups) -> None:
         assert sh.stdin is not None
         sh.stdin.write(b"go\n")
         sh.stdin.close()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while cgroups.pids_current("sb-pids") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the forks fill the limit (the shell + 2 sleeps)
         assert cgroups.pids_current("sb-pids") <= 3
         assert cgroups.memory_current("sb-pids") > 0  # the forks were charged here
     finally:

@@ -729,7 +729,11 @@ async def test_init_dies(rnode: Node) -> None:
     neighbour = await rnode.sandbox_create(_spec())
     assert victim.pid
     pending = asyncio.create_task(rnode.exec(victim.id, ExecRequest(cmd=["sleep", "30"])))
-    await asyncio.sleep(0.2)
+    listing = ExecRequest(cmd=["sh", "-c", "cat /proc/[0-9]*/cmdline"])
+    deadline = time.monotonic() + 30
+    while b"sleep\x0030\x00" not in (await rnode.exec(victim.id, listing)).stdout:
+        assert time.monotonic() < deadline, "the exec never started"
+        await asyncio.sleep(0.02)  # until the exec runs: the init dies under a live one
     os.kill(victim.pid, signal.SIGKILL)
     r = await asyncio.wait_for(asyncio.gather(pending, return_exceptions=True), 5)
     stopped = f"sandbox {victim.id} has stopped: its init is not running"
