@@ -92,6 +92,16 @@ async def rnode(images_ready):  # type: ignore[no-untyped-def]
         _assert_clean()
 
 
+async def _until_running(node: Node, sid: str, cmdline: bytes) -> None:
+    """Wait (a generous 30 s at most) until a process with ``cmdline`` (NUL-separated, as
+    in /proc) runs in the sandbox: the readiness signal of a request under test."""
+    listing = ExecRequest(cmd=["sh", "-c", "cat /proc/[0-9]*/cmdline"])
+    deadline = time.monotonic() + 30
+    while cmdline not in (await node.exec(sid, listing)).stdout:
+        assert time.monotonic() < deadline, f"{cmdline!r} never started in {sid}"
+        await asyncio.sleep(0.02)
+
+
 def _destroy_events(n: Node, sid: str) -> list[str]:
     return [e.kind for e in n.state.events(sid)]
 
@@ -229,7 +239,7 @@ async def test_destroy_with_execs_in_flight(rnode: Node) -> None:
     exec_task = asyncio.create_task(rnode.exec(sid, ExecRequest(cmd=["sleep", "30"])))
     stream_task = asyncio.create_task(stream())
     await asyncio.wait_for(first_chunk.wait(), 10)
-    await asyncio.sleep(0.1)
+    await _until_running(rnode, sid, b"sleep\x0030\x00")  # both requests are live
     t0 = time.monotonic()
     await rnode.sandbox_destroy(sid)
     assert time.monotonic() - t0 < 30  # generous: a destroy waiting on its execs would hang
@@ -729,11 +739,7 @@ async def test_init_dies(rnode: Node) -> None:
     neighbour = await rnode.sandbox_create(_spec())
     assert victim.pid
     pending = asyncio.create_task(rnode.exec(victim.id, ExecRequest(cmd=["sleep", "30"])))
-    listing = ExecRequest(cmd=["sh", "-c", "cat /proc/[0-9]*/cmdline"])
-    deadline = time.monotonic() + 30
-    while b"sleep\x0030\x00" not in (await rnode.exec(victim.id, listing)).stdout:
-        assert time.monotonic() < deadline, "the exec never started"
-        await asyncio.sleep(0.02)  # until the exec runs: the init dies under a live one
+    await _until_running(rnode, victim.id, b"sleep\x0030\x00")  # the init dies under it
     os.kill(victim.pid, signal.SIGKILL)
     r = await asyncio.wait_for(asyncio.gather(pending, return_exceptions=True), 5)
     stopped = f"sandbox {victim.id} has stopped: its init is not running"
