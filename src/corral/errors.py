@@ -10,6 +10,8 @@
     │   └── ProcessNotFound          a background process or shell id
     ├── Conflict                     wrong state for the operation (HTTP 409)
     ├── CapacityError                the node refuses: no room for another sandbox (HTTP 503)
+    │   └── ScratchFull              the node's scratch filesystem (all writable layers) is full
+    ├── QuotaExceeded                the sandbox's own disk quota is full (HTTP 507)
     ├── SandboxError                 the sandbox is broken or its init does not answer (HTTP 502)
     ├── BuildError                   a layer could not be built
     ├── LayerCorrupt                 a layer file does not match its digest
@@ -34,6 +36,8 @@ __all__ = [
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
+    "ScratchFull",
+    "QuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
@@ -94,6 +98,24 @@ class CapacityError(CorralError):
     status = 503
 
 
+class ScratchFull(CapacityError):
+    """The node's scratch filesystem, which holds every sandbox's writable layer, is full.
+
+    Not the sandbox's fault and not fixed by it: the node needs space (destroy sandboxes,
+    or give the node a larger ``scratch_size``). A 503 so that a client may retry later
+    or elsewhere."""
+
+
+class QuotaExceeded(CorralError):
+    """The sandbox's disk quota (``Limits.disk``) is full: EDQUOT from a file operation.
+
+    HTTP 507 (Insufficient Storage): the request was fine, the sandbox has no room for it.
+    Free space inside the sandbox (delete files) or create it with a larger
+    ``Limits.disk``. Never a security event: a full disk is not an attack."""
+
+    status = 507
+
+
 class SandboxError(CorralError):
     status = 502
 
@@ -131,6 +153,8 @@ KINDS: dict[str, type[CorralError]] = {
         ProcessNotFound,
         Conflict,
         CapacityError,
+        ScratchFull,
+        QuotaExceeded,
         SandboxError,
         BuildError,
         LayerCorrupt,

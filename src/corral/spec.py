@@ -230,7 +230,9 @@ class Limits(_Model):
     pids: int = Field(256, ge=8, le=1 << 20)
     """Maximum number of processes and threads."""
     disk: ByteSize = Field(2 << 30, ge=1 << 20)
-    """Quota of the writable layer; writes past it fail with ENOSPC/EDQUOT inside."""
+    """Quota of the writable layer: the room the sandbox is sure to have. The kernel stops
+    writes (EDQUOT inside, ``QuotaExceeded`` from the files API) at this plus a metadata
+    allowance of a quarter of it, 64 MiB to 1 GiB (``corral.host.btrfs.qgroup_limit``)."""
     output: ByteSize = Field(1 << 20, ge=1024, le=1 << 30)
     """Default cap per exec output stream (stdout, stderr each)."""
 

@@ -35,9 +35,9 @@ _DNS_SERVER = r"""
 import socket, sys
 from dnslib import A, QTYPE, RCODE, RR, DNSRecord
 names = dict(a.split("=") for a in sys.argv[2].split(","))
-log = open(sys.argv[3], "a", buffering=1)
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind((sys.argv[1], 53))
+log = open(sys.argv[3], "a", buffering=1)  # its existence says: bound, ready
 while True:
     data, addr = s.recvfrom(4096)
     try:
@@ -141,8 +141,7 @@ class TestHosts:
                 raise RuntimeError(f"test host {ip}:80 did not come up")
         deadline = time.monotonic() + 10
         while not self.dns_log.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
+            time.sleep(0.05)  # the server creates its log once its socket is bound
 
     def dns_queries(self) -> list[str]:
         try:

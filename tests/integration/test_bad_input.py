@@ -133,6 +133,8 @@ async def world(images_ready) -> AsyncIterator[World]:  # type: ignore[no-untype
             w.snapshot = await w.files_of(w.bystander)
             await w.unharmed()
             yield w
+            await _node_fine_after_all(w)
+    _nothing_left()
 
 
 # ----------------------------------------------------------------------- create
@@ -770,11 +772,10 @@ async def test_body_over_limit(world: World):
 
 
 # ----------------------------------------------------------------------- after all
-async def test_zz_node_fine_and_nothing_left(world: World):
-    """Last: the node still answers; after destroying everything and closing the node,
-    nothing of it is left on the host."""
-    from corral.host import leaks
-
+# Run by the ``world`` fixture after the module's last test (a finalizer, not a test
+# whose name sorts last).
+async def _node_fine_after_all(world: World) -> None:
+    """The node still answers; destroying both sandboxes through the API works."""
     r = await world.api.get("/v1/node")
     assert r.status_code == 200 and r.json()["sandboxes"] == 2, r.text
     assert (await world.api.get("/v1/healthz")).json() == {"ok": True}
@@ -783,7 +784,12 @@ async def test_zz_node_fine_and_nothing_left(world: World):
         assert r.status_code == 204, r.text
     r = await world.api.get("/v1/node")
     assert r.status_code == 200 and r.json()["sandboxes"] == 0, r.text
-    await world.node.close()
+
+
+def _nothing_left() -> None:
+    """After the node closed, nothing of it is left on the host."""
+    from corral.host import leaks
+
     shutil.rmtree(RUN, ignore_errors=True)
     found = leaks.scan(STATE, RUN, subtree=SUBTREE, netns_prefix=f"corral-test{TAG}-bad-")
     assert leaks.total(found) == 0, found

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -376,10 +377,14 @@ async def _kill_during_call(fnode, fc, which: str) -> None:  # type: ignore[no-u
     pool = fnode.fncall.pools[ONE]
     await run(fc, "pass", image=ONE)
     ps = pool.idle[0]
+    sent = ps.calls
     call = asyncio.create_task(
         run(fc, "import time\ntime.sleep(20)", image=ONE, limits=corral.CallLimits(wall_time=30))
     )
-    await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while ps.calls == sent:  # until the call was handed to this sandbox's worker
+        assert time.monotonic() < deadline and not call.done(), "the call never reached it"
+        await asyncio.sleep(0.01)
     os.kill(ps.worker_pid if which == "worker" else ps.init_pid, signal.SIGKILL)
     r = await asyncio.wait_for(call, 15)
     assert r.status == "runtime_error" and "corral:" in r.stderr, r
@@ -496,9 +501,10 @@ async def test_concurrent_callers_get_distinct_sandboxes(fnode, fc) -> None:  # 
         asyncio.create_task(run(fc, "import time\ntime.sleep(2)\nprint('done')")) for _ in range(4)
     ]
     busy = 0
-    for _ in range(40):
-        await asyncio.sleep(0.1)
+    deadline = time.monotonic() + 60  # generous: until all four run at once, or all ended
+    while busy < 4 and not all(c.done() for c in calls) and time.monotonic() < deadline:
         busy = max(busy, pool.total - len(pool.idle) - pool.creating)
+        await asyncio.sleep(0.01)
     rs = await asyncio.gather(*calls)
     assert all(r.stdout == "done\n" for r in rs)
     assert busy == 4  # one call at a time per sandbox: four sandboxes in use at once

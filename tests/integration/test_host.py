@@ -23,7 +23,7 @@ import pytest
 
 from corral.errors import HostError, LayerCorrupt
 from corral.host import loop, mounts
-from corral.host.btrfs import Scratch
+from corral.host.btrfs import Scratch, qgroup_limit
 from corral.host.cgroups import Cgroups, detect_mode
 from corral.host.runtime import OCIRuntime
 from corral.host.userns import UserNamespace
@@ -350,15 +350,16 @@ def test_quota_stops_writes_through_overlay(root: Path, scratch: Scratch) -> Non
         mounts.mount_overlay([lower], sub / "upper", sub / "work", target)
         written = 0
         chunk = os.urandom(1 << 20)
+        limit = qgroup_limit(10 << 20)  # the quota plus its metadata allowance
         with pytest.raises(OSError) as e:
             with open(target / "fill", "wb") as f:
-                for _ in range(30):
+                for _ in range((limit >> 20) + 20):
                     f.write(chunk)
                     f.flush()
                     os.fsync(f.fileno())
                     written += len(chunk)
         assert e.value.errno in (errno.EDQUOT, errno.ENOSPC)
-        assert 8 << 20 <= written <= 10 << 20, written
+        assert limit - (2 << 20) <= written <= limit, written
         (target / "fill").unlink()
         scratch.sync()
         (target / "again").write_bytes(chunk)  # freed space is usable again
@@ -437,7 +438,9 @@ def test_cgroups_pids_limit(cgroups: Cgroups) -> None:
         assert sh.stdin is not None
         sh.stdin.write(b"go\n")
         sh.stdin.close()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while cgroups.pids_current("sb-pids") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the forks fill the limit (the shell + 2 sleeps)
         assert cgroups.pids_current("sb-pids") <= 3
         assert cgroups.memory_current("sb-pids") > 0  # the forks were charged here
     finally:

@@ -1,7 +1,7 @@
 """Pause and resume against a real node: freezer, reclaim to a swap file, states, jobs.
 
-The module's node adds a swap file in its own state dir (its path carries the test tag),
-and the last test checks that closing the node removes it.
+The module's node adds a swap file in its own state dir (its path carries the test tag);
+its fixture, after the module's last test, checks that closing the node removes it.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ async def pnode(images_ready):  # type: ignore[no-untyped-def]
     await n.gc(everything=True)
     try:
         yield n
+        # After the module's last test: closing the node turns off and removes its swap
+        # file, and leaves nothing of it.
+        await close_swap_node(n, SWAP_FILE, SUBTREE)
     finally:
-        for info in await n.sandbox_list():
-            await n.sandbox_destroy(info.id)
-        await n.close()
+        if not n._closed:
+            for info in await n.sandbox_list():
+                await n.sandbox_destroy(info.id)
+            await n.close()
         shutil.rmtree(RUN, ignore_errors=True)
 
 
@@ -318,9 +322,3 @@ async def test_gc_removes_swap_a_crashed_node_left(images_ready):
         swapmod.remove(dev)
     assert_no_leaks(state, run, f"corral-test{TAG}-swapgc")
     shutil.rmtree(state)
-
-
-async def test_zz_swap_file_removed_on_close(pnode: Node):
-    # Runs last in the module: close the module's node; its swap file and everything else
-    # of it must be gone.
-    await close_swap_node(pnode, SWAP_FILE, SUBTREE)

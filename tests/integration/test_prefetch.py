@@ -2,7 +2,8 @@
 into RAM within the resume call (cgroup swap figure), and its contents are intact.
 
 The module's node adds a swap file in its own state dir (its path carries the test tag);
-the last test closes the node and checks that the swap file is gone.
+its fixture, after the module's last test, closes the node and checks that the swap file
+is gone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ async def pnode(images_ready):  # type: ignore[no-untyped-def]
     await n.gc(everything=True)
     try:
         yield n
+        # After the module's last test: closing the node turns off and removes its swap
+        # file, and leaves nothing of it.
+        await close_swap_node(n, SWAP_FILE, SUBTREE)
     finally:
         if not n.life.closed:
             for info in await n.sandbox_list():
@@ -184,9 +188,3 @@ async def test_request_to_paused_sandbox_does_not_prefetch(pnode: Node):
     assert d["transparent"] is True and "prefetch" not in d
     assert await _swapped(pnode, sid) > swapped // 2
     await pnode.sandbox_destroy(sid)
-
-
-async def test_zz_swap_file_removed_on_close(pnode: Node):
-    # Runs last in the module: close the module's node; its swap file and everything else
-    # of it must be gone.
-    await close_swap_node(pnode, SWAP_FILE, SUBTREE)

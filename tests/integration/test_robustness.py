@@ -24,6 +24,7 @@ from corral.errors import (
     ImageNotFound,
     InvalidRequest,
     LayerCorrupt,
+    QuotaExceeded,
     SandboxError,
     SandboxNotFound,
 )
@@ -89,6 +90,16 @@ async def rnode(images_ready):  # type: ignore[no-untyped-def]
     finally:
         await _shutdown(n)
         _assert_clean()
+
+
+async def _until_running(node: Node, sid: str, cmdline: bytes) -> None:
+    """Wait (a generous 30 s at most) until a process with ``cmdline`` (NUL-separated, as
+    in /proc) runs in the sandbox: the readiness signal of a request under test."""
+    listing = ExecRequest(cmd=["sh", "-c", "cat /proc/[0-9]*/cmdline"])
+    deadline = time.monotonic() + 30
+    while cmdline not in (await node.exec(sid, listing)).stdout:
+        assert time.monotonic() < deadline, f"{cmdline!r} never started in {sid}"
+        await asyncio.sleep(0.02)
 
 
 def _destroy_events(n: Node, sid: str) -> list[str]:
@@ -279,10 +290,10 @@ async def test_destroy_with_execs_in_flight(rnode: Node) -> None:
     exec_task = asyncio.create_task(rnode.exec(sid, ExecRequest(cmd=["sleep", "30"])))
     stream_task = asyncio.create_task(stream())
     await asyncio.wait_for(first_chunk.wait(), 10)
-    await asyncio.sleep(0.1)
+    await _until_running(rnode, sid, b"sleep\x0030\x00")  # both requests are live
     t0 = time.monotonic()
     await rnode.sandbox_destroy(sid)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # generous: a destroy waiting on its execs would hang
     done = await asyncio.wait_for(asyncio.gather(exec_task, stream_task, return_exceptions=True), 5)
     for r in done:
         # a result (killed) or a clear corral error, never anything raw
@@ -387,7 +398,9 @@ async def test_destroy_with_busy_root_does_not_stall_the_node(rnode: Node) -> No
     hb.cancel()
     for res in await asyncio.gather(*reads, return_exceptions=True):
         assert isinstance(res, (bytes, SandboxNotFound)), repr(res)
-    assert stall < 0.5, f"event loop stalled {stall:.2f} s during destroy"
+    # Generous (a loaded machine delays a 2 ms heartbeat too); the unmount's busy-wait
+    # on the event loop would stall it for as long as the reads keep the overlay busy.
+    assert stall < 2.0, f"event loop stalled {stall:.2f} s during destroy"
     assert "destroy_error" not in _destroy_events(rnode, info.id)
 
 
@@ -779,7 +792,7 @@ async def test_init_dies(rnode: Node) -> None:
     neighbour = await rnode.sandbox_create(_spec())
     assert victim.pid
     pending = asyncio.create_task(rnode.exec(victim.id, ExecRequest(cmd=["sleep", "30"])))
-    await asyncio.sleep(0.2)
+    await _until_running(rnode, victim.id, b"sleep\x0030\x00")  # the init dies under it
     os.kill(victim.pid, signal.SIGKILL)
     r = await asyncio.wait_for(asyncio.gather(pending, return_exceptions=True), 5)
     stopped = f"sandbox {victim.id} has stopped: its init is not running"
@@ -870,7 +883,7 @@ async def test_stuck_init_gives_an_error_not_a_hang(rnode: Node) -> None:
     os.kill(info.pid, signal.SIGSTOP)  # destroy copes with a stopped init too
     t0 = time.monotonic()
     await rnode.sandbox_destroy(info.id)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # generous: a destroy waiting on the stopped init hangs
     assert "destroy_error" not in _destroy_events(rnode, info.id)
 
 
@@ -891,7 +904,7 @@ async def test_disk_pressure_is_per_sandbox(rnode: Node) -> None:
     r = await rnode.exec(hog.id, ExecRequest(cmd=["sh", "-c", "echo more > /tmp/more"]))
     assert r.exit_code != 0  # still full
     # the files API says so clearly, and its half-written temporary file does not stay
-    with pytest.raises(InvalidRequest, match="/tmp/api: disk quota exceeded|No space"):
+    with pytest.raises(QuotaExceeded, match="/tmp/api: disk quota exceeded"):
         await rnode.file_write(hog.id, "/tmp/api", b"z" * (8 << 20))
     assert {e.name for e in await rnode.file_list(hog.id, "/tmp")} == {"fill"}
     # the other sandbox writes 32 MiB, by exec and through the files API

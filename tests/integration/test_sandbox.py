@@ -98,14 +98,18 @@ async def test_fork_bomb_contained_and_neighbour_answers(client, node):
     neighbour = await client.sandboxes.create(image="test/debian", limits=SMALL)
     try:
         bomb = await victim.spawn(["bash", "-c", ":(){ :|:& };:"])
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 30  # the bomb reaches its pids limit (generous)
+        while node.cgroups.pids_current(victim.id) < SMALL.pids and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         lat = []
         for _ in range(20):
             t = time.perf_counter()
             r = await neighbour.exec(["true"])
             lat.append(time.perf_counter() - t)
             assert r.ok
-        assert max(lat) < 2.0
+        # generous: a starved neighbour would wait for the whole bomb (how fast it answers
+        # under load is a bench figure: `corral bench qos`)
+        assert max(lat) < 10.0, lat
         # contained: the victim sits at its pids limit (from the kernel's own count) ...
         assert 0 < node.cgroups.pids_current(victim.id) <= SMALL.pids
         # ... where an exec may find no pid free, and says so clearly
@@ -140,8 +144,9 @@ async def test_streaming_and_background(client):
         assert st.result.exit_code == 0
         p = await sb.spawn(["sh", "-c", "echo started; sleep 30"])
         assert p.pid > 0
-        await asyncio.sleep(0.3)
-        out, _ = await p.output()
+        deadline = time.monotonic() + 30
+        while (out := (await p.output())[0]) == b"" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # until the first output arrives
         assert out == b"started\n"
         await p.kill()
         res = await p.wait(timeout=10)

@@ -26,6 +26,7 @@ contain the literal prefix (its own /proc/PID/cmdline would match): write ``CRLC
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -39,7 +40,7 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.sdk import Sandbox
+from corral.sdk import Process, Sandbox
 from corral.spec import ExecResult
 from tests.integration.conftest import images_ready, open_node  # noqa: F401
 from tests.conftest import TAG
@@ -263,6 +264,19 @@ async def run(
     if sb.id in _WATCH.guest_ids:
         _WATCH.seen.extend((r.stdout, r.stderr))
     return r
+
+
+async def wait_ready(proc: Process, marker: bytes = b"ready", timeout: float = 60) -> None:
+    """Wait until a spawned guest process has printed ``marker`` (its readiness signal);
+    fail if it ends first or is not ready within ``timeout`` seconds (a generous bound)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            stdout, stderr = await proc.output()
+            if marker in stdout:
+                return
+            if proc.info.result is not None:
+                raise AssertionError(f"{proc} ended before it was ready: {stdout!r} {stderr!r}")
+            await asyncio.sleep(0.02)  # a poll of the readiness signal, not a wait for it
 
 
 def out(r: ExecResult) -> str:

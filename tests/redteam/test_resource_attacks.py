@@ -14,7 +14,7 @@ import time
 import pytest
 
 import corral
-from tests.redteam.conftest import assert_healthy, out, run
+from tests.redteam.conftest import GUEST_LIMITS, assert_healthy, out, run
 
 SAMPLES = 25
 SLACK = 0.05
@@ -52,7 +52,13 @@ async def test_bombs_do_not_slow_the_neighbour(red_node, make_sandbox, neighbour
         # the fork bomb last: once it holds every pid, the guest cannot start more
         for script in (BOMBS["cpu"], BOMBS["memory"], BOMBS["fork"]):
             await guest.spawn(["bash", "-c", script])
-        await asyncio.sleep(1.0)  # let the bombs reach their limits
+        # until the fork bomb holds every pid of the guest (a generous 30 s at most)
+        deadline = time.monotonic() + 30
+        while (
+            red_node.cgroups.pids_current(guest.id) < GUEST_LIMITS.pids
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.05)
         loaded = await _latency(neighbour)
         try:  # the guest's init may be unable to fork now: that is the guest's own problem
             r = await run(guest, "cat /sys/fs/cgroup/pids/pids.current", timeout=10)
@@ -63,7 +69,7 @@ async def test_bombs_do_not_slow_the_neighbour(red_node, make_sandbox, neighbour
         t = time.monotonic()
         await guest.destroy()
         took = time.monotonic() - t
-        assert took < 20, took
+        assert took < 60, took  # generous: a destroy stuck on the bomb would hang
         rounds.append((round(idle, 4), round(loaded, 4), pids, round(took, 2)))
         if loaded <= max(2 * idle, idle + SLACK):
             break

@@ -24,6 +24,7 @@ import asyncio
 import ctypes
 import os
 import resource
+import time
 
 import pytest
 
@@ -70,8 +71,11 @@ async def test_guest_cannot_exhaust_host_inotify(guest, neighbour):  # type: ign
         neighbour_ok = r.stdout.strip() not in (b"-1", b"")
     finally:
         await proc.kill()
-    await asyncio.sleep(0.2)
-    assert _host_inotify_works()  # released with the guest's process
+    # released with the guest's process, once it is gone (a generous 30 s at most)
+    deadline = time.monotonic() + 30
+    while not _host_inotify_works() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _host_inotify_works()
     assert host_ok and neighbour_ok, (
         f"guest held {held} inotify instances; host root inotify_init works: {host_ok}; "
         f"neighbour's works: {neighbour_ok}; {out(r)}"

@@ -358,3 +358,32 @@ async def test_leaving_a_stream_early_ends_it_on_the_node(short_dir: Path) -> No
                     break
             await asyncio.wait_for(ended.wait(), 5)  # the node saw the client go
             assert (await sb.exec(["echo", "next"])).stdout == b"next\n"
+
+
+class _FullDisk(FakeNode):
+    """A node whose sandbox disks are full, and whose scratch filesystem is, for one path."""
+
+    async def file_write(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False
+    ) -> None:
+        self._sb(sandbox_id)
+        if path == "/scratch-full":
+            raise corral.ScratchFull(f"{path}: no space left on the node's scratch filesystem")
+        raise corral.QuotaExceeded(f"{path}: disk quota exceeded: the sandbox's disk is full")
+
+
+async def test_full_disk_kinds_cross_the_wire(short_dir: Path) -> None:
+    async with NodeServer(_FullDisk(), uds=short_dir / "api.sock") as srv:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=srv.address[7:])) as c:
+            sb = (await c.post("http://corral/v1/sandboxes", json={"image": "demo/python"})).json()
+            resp = await c.put(
+                f"http://corral/v1/sandboxes/{sb['id']}/files?path=/big", content=b"x"
+            )
+            assert resp.status_code == 507 and _err(resp)[0] == "QuotaExceeded"
+        async with corral.AsyncClient(srv.address) as client:
+            box = await client.sandboxes.get(sb["id"])
+            with pytest.raises(corral.QuotaExceeded, match="disk quota exceeded"):
+                await box.files.write("/big", b"x")
+            with pytest.raises(corral.ScratchFull, match="scratch") as ei:
+                await box.files.write("/scratch-full", b"x")
+            assert isinstance(ei.value, corral.CapacityError) and ei.value.status == 503

@@ -14,6 +14,7 @@ import struct
 import termios
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -574,7 +575,9 @@ async def test_pty_attach_raw_mode_resize_restore() -> None:
         before = termios.tcgetattr(slave)
         stream = _EchoPty()
         task = asyncio.create_task(_pty.attach(stream, stdin_fd=slave, stdout_fd=out_w))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while termios.tcgetattr(slave)[3] & termios.ECHO and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # until attach has put the terminal in raw mode
         # raw mode: no local echo, no line buffering, Ctrl-C is just a byte
         assert not termios.tcgetattr(slave)[3] & termios.ECHO
         os.write(master, b"hi\x03")

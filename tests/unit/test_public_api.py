@@ -46,6 +46,8 @@ PUBLIC = {
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
+    "ScratchFull",
+    "QuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

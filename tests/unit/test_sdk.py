@@ -360,7 +360,7 @@ async def test_stream_read_back_to_back_over_uds(short_dir: Path) -> None:
             t0 = time.monotonic()
             for i in range(50):
                 assert (await sb.exec(["echo", str(i)])).stdout == f"{i}\n".encode()
-            assert time.monotonic() - t0 < 10
+            assert time.monotonic() - t0 < 60  # generous: a leaked connection would hang
 
 
 # ------------------------------------------------------------------ sync client

@@ -69,6 +69,8 @@ from corral.errors import (
     InvalidRequest,
     NotFound,
     PathRefused,
+    QuotaExceeded,
+    ScratchFull,
 )
 from corral.host.openat2 import (
     RESOLVE_BENEATH,
@@ -169,8 +171,20 @@ _MESSAGES: dict[int, tuple[type[CorralError], str]] = {
     errno.EACCES: (InvalidRequest, "permission denied"),
     errno.EPERM: (InvalidRequest, "operation not permitted (immutable or append-only?)"),
     errno.EROFS: (InvalidRequest, "read-only file system"),
-    errno.ENOSPC: (InvalidRequest, "no space left (the sandbox's disk quota is full)"),
-    errno.EDQUOT: (InvalidRequest, "disk quota exceeded"),
+    # EDQUOT is the sandbox's qgroup limit; ENOSPC is the btrfs scratch filesystem under
+    # every sandbox (host/btrfs.py). Neither is a bad request: a 400 here would be logged
+    # as a refused path, a security event.
+    errno.EDQUOT: (
+        QuotaExceeded,
+        "disk quota exceeded: the sandbox's disk (Limits.disk) is full; delete files "
+        "in the sandbox or create it with a larger Limits.disk (if it holds far less, "
+        "retry: btrfs can refuse briefly while metadata waits for a commit)",
+    ),
+    errno.ENOSPC: (
+        ScratchFull,
+        "no space left on the node's scratch filesystem (it holds every sandbox's "
+        "writes; the sandbox's own quota is not full): retry later or on another node",
+    ),
     errno.EBUSY: (Conflict, "is busy (a mount point?)"),
     errno.EAGAIN: (Conflict, "the path kept changing while it was resolved; retry"),
     errno.EMLINK: (InvalidRequest, "too many links"),
