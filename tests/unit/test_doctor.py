@@ -254,13 +254,13 @@ def test_leftovers_of_a_stopped_node_skip_live_sandboxes(tmp_path: Path) -> None
     root = fake_host(tmp_path / "root")
     found = {
         "cgroups": [
-            "/sys/fs/cgroup/memory/corral/sb-aaaaaaaaaaaa",
-            "/sys/fs/cgroup/memory/corral/sb-bbbbbbbbbbbb",
+            "/sys/fs/cgroup/memory/corral/sb-aaaaaaaaaaaa-n1",
+            "/sys/fs/cgroup/memory/corral/sb-bbbbbbbbbbbb-n1",
         ],
         "mounts": ["/var/lib/corral/mnt/layer1"],  # shared: serves the live sandbox
-        "containers": ["crun:sb-bbbbbbbbbbbb"],
+        "containers": ["crun:sb-bbbbbbbbbbbb-n1"],
     }
-    p = probes(leftovers=lambda cfg: found, live_ids=lambda d: {"sb-aaaaaaaaaaaa"})
+    p = probes(leftovers=lambda cfg: found, live_ids=lambda d: {"sb-aaaaaaaaaaaa-n1"})
     c = by_name(run_checks(config(tmp_path), root=root, probes=p))["leftovers"]
     assert not c.ok and not c.fatal
     assert "1 cgroups" in c.detail and "1 containers" in c.detail and "mounts" not in c.detail

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gzip
-import errno
 import io
 import os
 import socket
