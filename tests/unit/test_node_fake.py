@@ -151,3 +151,32 @@ async def test_events_page_with_an_opaque_cursor(tmp_path: Path) -> None:
             await node.events(after="garbage")
         with pytest.raises(InvalidRequest, match="limit"):
             await node.events(limit=0)
+
+
+async def test_the_node_times_its_operations_and_counts_errors(tmp_path: Path) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from corral.api import create_app
+
+    async with open_fake_node(tmp_path) as node:
+        info = await node.sandbox_create(SPEC.model_copy(update={"labels": {"job": "j1"}}))
+        await node.exec(info.id, ExecRequest(cmd=["true"]))
+        await node.sandbox_destroy(info.id)
+        stats = await node.stats({"job": "j1"})
+        assert {"create", "exec", "destroy"} <= set(stats.ops)
+        assert {"admission", "network_attach"} <= set(stats.ops["create"].phases)
+        assert {"queue", "agent_round_trip", "process_run"} <= set(stats.ops["exec"].phases)
+        app = create_app(node)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://corral.test"
+        ) as c:
+            assert (await c.get(f"/v1/sandboxes/{info.id}x")).status_code == 404
+            text = (await c.get("/metrics")).text
+        errors = {
+            s.labels.get("kind"): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "corral_errors_total"
+        }
+        assert errors.get("SandboxNotFound") == 1

@@ -271,14 +271,17 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
     )
     app.include_router(_routes(ops), prefix="/v1")
     app.include_router(pty_router(ops), prefix="/v1")
+    observer = getattr(ops, "observer", None)  # the embedded node's metrics, if any
     # /metrics, /v1/stats, timelines, the live feed and the dashboard (/ui); imported here:
     # observe.py's metrics listener builds on the server module, which imports this one
     from corral.api.observe import observe_router
 
-    app.include_router(observe_router(ops, getattr(ops, "observer", None)))
+    app.include_router(observe_router(ops, observer))
 
     async def corral_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, CorralError)
+        if observer is not None:  # errors by kind (a closed table: bounded labels)
+            observer.metrics.error(type(exc).__name__)
         return _wire(exc)
 
     async def validation_error(_: Request, exc: Exception) -> Response:
