@@ -105,7 +105,7 @@ function showNode(n, states) {
   $("#c-mem").textContent = fmtBytes(n.mem_available);
   $("#c-memtotal").textContent = `of ${fmtBytes(n.mem_total)}`;
   $("#c-layers").textContent = n.mounted_layers;
-  $("#c-runtime").textContent = `runtime ${n.runtime}`;
+  $("#c-runtime").textContent = `backends ${(n.backends || []).map((b) => b.kind).join(", ")}`;
 }
 
 // ------------------------------------------------------------------ sandboxes
