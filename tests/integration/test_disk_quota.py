@@ -87,9 +87,11 @@ async def test_metadata_churn_sees_no_edquot(node, small_disk) -> None:  # type:
     # Each exhaustion of the quota's room costs a commit (and was a chance of EDQUOT).
     # Estimated from the reservation sizes, this churn takes ~300 of them at 16 MiB with
     # 16 KiB nodes and no allowance, ~100 with 4 KiB nodes alone, ~80 with the allowance
-    # alone; measured with both: 21.
+    # alone; measured with both: 21 on a quiet machine, 88 during a long loaded run (the
+    # count includes the filesystem's periodic commits and other sandboxes' work). The
+    # bound only catches a return to committing per exhaustion.
     print(f"metadata churn at {DISK >> 20} MiB: {commits} commits")
-    assert commits < 60, commits
+    assert commits < 250, commits
 
 
 async def test_node_write_into_full_sandbox_is_quota_exceeded(node, small_disk) -> None:  # type: ignore[no-untyped-def]

@@ -47,7 +47,7 @@ async def pnode(images_ready):  # type: ignore[no-untyped-def]
         # file, and leaves nothing of it.
         await close_swap_node(n, SWAP_FILE, SUBTREE)
     finally:
-        if not n._closed:
+        if not n.life.closed:
             for info in await n.sandbox_list():
                 await n.sandbox_destroy(info.id)
             await n.close()
