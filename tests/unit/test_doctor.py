@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import corral.cli.app as cli_app
 from corral.errors import HostError
 from corral.node import NodeConfig
-from corral.node import doctor
+from corral.node import doctor, doctor_probes
 from corral.node.doctor import Check, Probes, fatal_failures, run_checks
 
 GIB = 1 << 30
@@ -280,14 +280,14 @@ def test_node_running_is_seen_through_its_lock(tmp_path: Path) -> None:
     import os
 
     tmp_path.joinpath("node.lock").touch()
-    assert not doctor._node_running(tmp_path)
+    assert not doctor_probes.node_running(tmp_path)
     fd = os.open(tmp_path / "node.lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert doctor._node_running(tmp_path)
+        assert doctor_probes.node_running(tmp_path)
     finally:
         os.close(fd)
-    assert not doctor._node_running(tmp_path / "missing")
+    assert not doctor_probes.node_running(tmp_path / "missing")
 
 
 def test_cli_json_is_the_last_line_and_fatal_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
