@@ -37,13 +37,14 @@ from pydantic import ValidationError
 from corral.backends.base import Backend, HostContext
 from corral.backends.initclient import InitExit
 from corral.backends.shell import STATE_DIR as SHELL_STATE_DIR
-from corral.errors import Conflict, CorralError, HostError, InvalidRequest
+from corral.errors import Conflict, CorralError, InvalidRequest
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
 from corral.node import gc as gcmod
 from corral.node import status as statusmod
 from corral.node.config import NodeConfig
-from corral.node.doctor import fatal_failures, run_checks
+from corral.node.doctor import check_host
+from corral.node.events import page_events
 from corral.node.execs import Execs
 from corral.node.files import FileOps
 from corral.node.fncall import FnCallService
@@ -55,7 +56,7 @@ from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
 from corral.node.stats import Observer
-from corral.ops import NodeOps, check_events_limit, cursor_positions, stamp_events
+from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -168,7 +169,7 @@ class Node:
         parts: Parts | None,
     ) -> Node:
         if parts is None:  # a real host: refuse to start where sandboxes cannot be served
-            await _check_host(cfg)
+            await check_host(cfg)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(cfg.state_dir / "node.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -511,21 +512,10 @@ class Node:
     ) -> list[Event]:
         """Events after the cursor ``after`` (an earlier event's ``cursor``), oldest first,
         at most ``limit``; the label filter applies before the limit."""
-        positions = cursor_positions(after)
-        check_events_limit(limit)
-        since = positions.get(self.node_id, 0)
         self.security.flush()  # denials counted so far are part of the answer
         if sandbox_id is not None:
             await self.sandbox_get(sandbox_id)
-        ids = set(self.state.sandbox_ids_with_labels(labels)) if labels else None
-        out: list[Event] = []
-        while len(out) < limit:
-            page = self.state.events(sandbox_id, since, limit=limit, kinds=kinds)
-            if not page:
-                break
-            since = page[-1].id
-            out += [e for e in page if ids is None or e.sandbox_id in ids]
-        return stamp_events(out[:limit], self.node_id, positions)
+        return page_events(self.state, self.node_id, sandbox_id, after, labels, kinds, limit)
 
     async def events_summary(
         self,
@@ -549,18 +539,6 @@ class Node:
     async def reap_once(self) -> None:
         """One reaper pass now (tests; the reaper runs every ``reaper_interval``)."""
         await self.reaper.once()
-
-
-async def _check_host(cfg: NodeConfig) -> None:
-    """The fatal checks of ``corral doctor`` (~30 ms): a clear refusal at start instead of
-    a failure at the first create."""
-    bad = fatal_failures(await asyncio.to_thread(run_checks, cfg, fatal_only=True))
-    if bad:
-        raise HostError(
-            "this host cannot serve sandboxes: "
-            + "; ".join(f"{c.name}: {c.detail} ({c.fix})" for c in bad)
-            + "; `corral doctor` lists every check"
-        )
 
 
 if TYPE_CHECKING:  # mypy checks the node against the operations interface
