@@ -184,12 +184,12 @@ def module_order(kernel: Kernel, wanted: tuple[str, ...] = MODULES) -> list[str]
             order.append(mod)
 
     for name in wanted:
-        mod = by_name.get(name)
-        if mod is None:
+        found = by_name.get(name)
+        if found is None:
             if f"/{name}.ko" in builtin:
                 continue
             raise HostError(f"microvm kernel {kernel.version}: no module {name}")
-        add(mod)
+        add(found)
     return order
 
 
@@ -234,8 +234,7 @@ def _cpio(files: list[tuple[str, int, bytes]]) -> bytes:
     for ino, (name, mode, data) in enumerate(entries, 1):
         nb = name.encode() + b"\0"
         hdr = "070701" + "".join(
-            f"{v:08x}"
-            for v in (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nb), 0)
+            f"{v:08x}" for v in (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nb), 0)
         )
         buf.write(hdr.encode() + nb)
         buf.write(b"\0" * (-(110 + len(nb)) % 4))

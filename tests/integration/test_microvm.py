@@ -1,0 +1,119 @@
+"""The microVM backend on a real node: QEMU (TCG on this host), the Debian cloud kernel,
+corral-init over virtio-serial. One node per module; the kernel is fetched once into a
+cache kept between runs (/var/cache/corral-test-microvm)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TAG
+from tests.integration.conftest import assert_no_leaks, node_config, open_node
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
+    pytest.mark.skipif(not Path("/bin/busybox").exists(), reason="needs busybox-static"),
+]
+
+STATE = Path(f"/var/lib/corral-test{TAG}-vm")
+RUN = Path(f"/run/corral-test{TAG}-vm")
+SUBTREE = f"corral-test{TAG}-vm"
+KERNEL = Path("/var/cache/corral-test-microvm/kernel")
+
+
+def _cfg(**vm):  # type: ignore[no-untyped-def]
+    from corral.backends.config import ContainerConfig, MicroVMConfig
+
+    return node_config(
+        state_dir=STATE,
+        run_dir=RUN,
+        cgroup_subtree=SUBTREE,
+        backends=[ContainerConfig(), MicroVMConfig(kernel_dir=KERNEL, **vm)],
+    )
+
+
+@pytest.fixture(scope="module")
+async def vmnode(images_ready):  # type: ignore[no-untyped-def]
+    async with open_node(_cfg()) as n:
+        yield n
+    assert_no_leaks(STATE, RUN, SUBTREE)
+
+
+def _vmm_procs() -> list[int]:
+    """QEMU processes whose command line names this module's state dirs."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"qemu-system") and b"corral-test" + TAG.encode() + b"-vm" in cmd:
+            out.append(int(p))
+    return out
+
+
+def _spec(**kw):  # type: ignore[no-untyped-def]
+    from corral.spec import Limits, SandboxSpec
+
+    return SandboxSpec(
+        image="test/busybox",
+        backend="microvm",
+        limits=Limits(cpus=1, memory="256MiB", disk="256MiB"),
+        qos="latency",  # TCG boots on a busy 2-core host: not on idle CPU only
+        **kw,
+    )
+
+
+async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def]
+    status = vmnode.backends.get("microvm").status()
+    assert status.ok and status.accel in ("kvm", "tcg")
+    from corral.spec import ExecRequest
+
+    info = await vmnode.sandbox_create(_spec())
+    try:
+        d = vmnode.backends.get("microvm").dir(info.id)
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["uname", "-r"]))
+        assert r.exit_code == 0, r
+        # the guest's own kernel, not the host's
+        assert r.stdout.strip().endswith(b"cloud-amd64"), r.stdout
+        assert r.stdout.strip().decode() != os.uname().release
+        cmd = ["sh", "-c", "echo hi > /tmp/x; cat /tmp/x; id -u"]
+        r = await vmnode.exec(info.id, ExecRequest(cmd=cmd))
+        assert r.stdout == b"hi\n0\n", r
+        await vmnode.file_write(info.id, "/root/f.txt", b"hello\x00bytes")
+        assert await vmnode.file_read(info.id, "/root/f.txt") == b"hello\x00bytes"
+        assert await vmnode.file_read(info.id, "/root/f.txt", 6, 3) == b"\x00by"
+        st = await vmnode.file_stat(info.id, "/root/f.txt")
+        assert st.type == "file" and st.size == 11
+        names = [s.name for s in await vmnode.file_list(info.id, "/root")]
+        assert "f.txt" in names
+        from corral.errors import NotFound
+
+        with pytest.raises(NotFound):
+            await vmnode.file_read(info.id, "/nope")
+        assert (d / "vm.sock").exists() and (d / "disk.img").exists()
+        assert _vmm_procs()
+    finally:
+        await vmnode.sandbox_destroy(info.id)
+    assert not _vmm_procs()
+    assert not d.exists()
+
+
+async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore[no-untyped-def]
+    """A guest whose agent never comes up: a clear timeout, the VMM killed, nothing left.
+    (Here: a boot timeout far below what a TCG boot takes.)"""
+    from corral.errors import CorralError
+
+    async with open_node(_cfg(boot_timeout=0.5)) as n:
+        with pytest.raises(CorralError) as e:
+            await n.sandbox_create(_spec())
+        assert "did not answer within 0.5 s" in str(e.value)
+        assert "VMM killed" in str(e.value)
+        assert not _vmm_procs()
+        assert await n.sandbox_list() == []
+    assert_no_leaks(STATE, RUN, SUBTREE)
