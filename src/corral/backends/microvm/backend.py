@@ -301,10 +301,13 @@ class MicroVMBackend:
         t = self.config.boot_timeout
         client = InitClient(self.dir(sandbox_id) / "ctl.sock", connect_timeout=t)
         try:
-            await client.ping()
+            async with asyncio.timeout(t):  # the client's own guard adds a margin
+                await client.ping()
             return
         except SandboxError as e:
             why = str(e)
+        except TimeoutError:
+            why = "no answer to ping"
         console = self.dir(sandbox_id) / "console.log"
         tail = ""
         with contextlib.suppress(OSError):

@@ -58,7 +58,14 @@ def vm_argv(
     qemu: str = QEMU,
 ) -> list[str]:
     """The full QEMU command line of one VM."""
-    append = f"console=ttyS0 loglevel=4 panic=-1 corral.layers={len(files.layers)}"
+    append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
+    if accel == "tcg":
+        # TCG's TSC runs at the host's rate, but -M microvm has no HPET or PM timer to
+        # calibrate it against and PIT calibration fails on a loaded host (seen: "tsc:
+        # Marking TSC unstable", then the boot hangs): tell the guest the rate.
+        khz = host_tsc_khz()
+        if khz:
+            append += f" tsc_early_khz={khz} tsc=reliable"
     argv = [
         qemu,
         "-M",
@@ -114,6 +121,18 @@ def vm_argv(
     if runas is not None:
         argv += ["-runas", runas]
     return argv
+
+
+def host_tsc_khz() -> int | None:
+    """The host's TSC rate in kHz (the ``cpu MHz`` of /proc/cpuinfo), None if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return int(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def trampoline(procs_files: list[Path], argv: list[str]) -> tuple[list[str], dict[str, str]]:
