@@ -120,3 +120,35 @@ async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore
         assert not [p for p in n.config.state_dir.glob("scratch/sb-*")]
     assert_no_leaks(Path(f"{STATE}t"), Path(f"{RUN}t"), SUBTREE + "t")
     shutil.rmtree(f"{STATE}t")
+
+
+async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def]
+    """A node that closes leaves its VMs running; the next one adopts them over a new
+    connection to QEMU's socket (the guest's mux drops the old channels on reset)."""
+    from corral.node import Node
+    from corral.spec import ExecRequest
+
+    cfg = _cfg("r", accel="tcg")
+    node = await Node.open(cfg)
+    try:
+        await node.gc(everything=True)
+        info = await node.sandbox_create(_spec())
+        await node.file_write(info.id, "/root/kept", b"before")
+    finally:
+        await node.close()
+    assert _vmm_procs()  # still running without a node
+    node = await Node.open(cfg)
+    try:
+        got = await node.sandbox_get(info.id)
+        assert got.state == "running", got
+        r = await node.exec(info.id, ExecRequest(cmd=["cat", "/root/kept"]))
+        assert r.stdout == b"before", r
+        await node.sandbox_destroy(info.id)
+        assert not _vmm_procs()
+    finally:
+        for i in await node.sandbox_list():
+            await node.sandbox_destroy(i.id)
+        await node.close()
+    assert_no_leaks(Path(f"{STATE}r"), Path(f"{RUN}r"), SUBTREE + "r")
+    shutil.rmtree(f"{STATE}r")
+    shutil.rmtree(f"{RUN}r", ignore_errors=True)
