@@ -96,6 +96,19 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
 
         with pytest.raises(NotFound):
             await vmnode.file_read(info.id, "/nope")
+        await vmnode.file_mkdir(info.id, "/root/a/b")
+        assert (await vmnode.file_stat(info.id, "/root/a/b")).type == "dir"
+        tar = await vmnode.file_download_tar(info.id, "/root")
+        await vmnode.file_remove(info.id, "/root/a", recursive=True)
+        with pytest.raises(NotFound):
+            await vmnode.file_stat(info.id, "/root/a")
+        await vmnode.file_upload_tar(info.id, "/work/copy", tar)
+        assert await vmnode.file_read(info.id, "/work/copy/f.txt") == b"hello\x00bytes"
+        # 768 KiB in and out: many frames each way through both multiplexers
+        big = bytes(range(256)) * 3072
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["cat"], stdin=big))
+        assert r.exit_code == 0, r.reason
+        assert r.stdout == big
         assert (d / "vm.sock").exists() and (d / "disk.img").exists()
         assert _vmm_procs()
     finally:
