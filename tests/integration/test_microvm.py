@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TAG
-from tests.integration.conftest import assert_no_leaks, node_config, open_node
+from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
@@ -165,3 +165,24 @@ async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def
     assert_no_leaks(Path(f"{STATE}r"), Path(f"{RUN}r"), SUBTREE + "r")
     shutil.rmtree(f"{STATE}r")
     shutil.rmtree(f"{RUN}r", ignore_errors=True)
+
+
+@pytest.mark.heavy
+def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
+    """``corral bench microvm --json``: the issue's keys, measured ones filled."""
+    from tests.conftest import TEST_STORE
+
+    state, run, sub = Path(f"{STATE}b"), Path(f"{RUN}b"), SUBTREE + "b"
+    out = run_bench(
+        "microvm", "--count", "2", "--kernel-dir", str(KERNEL),
+        state=state, run=run, subtree=sub, store=TEST_STORE, image="test/busybox",
+        timeout=600,
+    )  # fmt: skip
+    assert out["scenario"] == "microvm" and out["accel"] in ("kvm", "tcg")
+    assert out["boot_to_exec_ms"]["p50"] > 0 and out["exec_p50_ms"] > 0
+    assert out["host_mem_per_vm_mib"] > 0 and out["container_boot_to_exec_ms"] > 0
+    for k in ("dax", "pause_released_fraction", "snapshot_resume_to_exec_ms", "fork_per_s"):
+        assert k in out
+    assert_no_leaks(state, run, sub)
+    shutil.rmtree(state)
+    shutil.rmtree(run, ignore_errors=True)
