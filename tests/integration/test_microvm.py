@@ -117,6 +117,26 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
     assert not d.exists()
 
 
+async def test_pause_resume_through_the_shared_cgroup_path(vmnode):  # type: ignore[no-untyped-def]
+    """The node's freeze (and reclaim) works on a VM as on a container: QEMU is in the
+    sandbox's cgroup. The guest's state survives; exec works after resume."""
+    from corral.spec import ExecRequest
+
+    info = await vmnode.sandbox_create(_spec())
+    try:
+        await vmnode.exec(info.id, ExecRequest(cmd=["sh", "-c", "echo kept > /root/s"]))
+        paused = await vmnode.sandbox_pause(info.id)
+        assert paused.state == "paused"
+        b = vmnode.backends.get("microvm")
+        assert b.cgroups.is_frozen(info.id)
+        await vmnode.sandbox_resume(info.id)
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/root/s"]))
+        assert r.stdout == b"kept\n", r
+    finally:
+        await vmnode.sandbox_destroy(info.id)
+    assert not _vmm_procs()
+
+
 async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore[no-untyped-def]
     """A guest whose agent never comes up: a clear timeout, the VMM killed, nothing left.
     (Here: a boot timeout far below what a TCG boot takes.)"""
