@@ -110,7 +110,15 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
         assert r.exit_code == 0, r.reason
         assert r.stdout == big
         assert (d / "vm.sock").exists() and (d / "disk.img").exists()
-        assert _vmm_procs()
+        # the jail: QEMU in the sandbox's cgroup and a netns of its own, chrooted into the
+        # sandbox dir, not root
+        (pid,) = _vmm_procs()
+        b = vmnode.backends.get("microvm")
+        assert pid in b.cgroups.procs(info.id) and pid == info.pid
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{pid}/root") == str(d)
+        uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
+        assert "0" not in uids, uids
     finally:
         await vmnode.sandbox_destroy(info.id)
     assert not _vmm_procs()

@@ -4,8 +4,9 @@ One VM = one ``qemu-system-x86_64 -M microvm`` process, started ``-daemonize`` (
 outlives the node process that started it and is adopted after a restart) through a
 trampoline that first puts itself in the sandbox's cgroup and a network namespace of its
 own, so every VMM thread and allocation is the sandbox's. QEMU opens every file it needs
-(kernel, initramfs, layer files read-only, the writable disk, its sockets) before it drops
-to an unprivileged uid (``-runas``); its seccomp filter (``-sandbox on``) forbids obsolete
+(kernel, initramfs, layer files read-only, the writable disk, its sockets) before it
+chroots into the sandbox dir (``-chroot``; root-owned, 0700) and drops to an unprivileged
+uid (``-runas``); its seccomp filter (``-sandbox on``) forbids obsolete
 syscalls and resource-control changes (not spawning or setuid: see ``_SANDBOX``).
 
 Accelerator: this host's /dev/kvm is PVM, where a stock kernel hangs after the boot stub.
@@ -118,6 +119,9 @@ def vm_argv(
         "-device",
         "virtio-blk-device,drive=rw,serial=rw",
     ]
+    # Everything is open by now: QEMU runs on in a root it cannot even list (the sandbox
+    # dir, 0700 root), as the unprivileged uid, so no host path is reachable by name.
+    argv += ["-chroot", str(files.disk.parent)]
     if runas is not None:
         argv += ["-runas", runas]
     return argv
