@@ -121,3 +121,27 @@ def test_vm_argv_layers_read_only_and_disk_serials(tmp_path: Path) -> None:
     assert "serial=l0" in text and "serial=rw" in text
     assert argv[-2:] == ["-runas", "999:999"]
     assert "-sandbox" in argv
+
+
+async def test_host_mux_drops_a_guest_that_forges_a_huge_frame(tmp_path: Path) -> None:
+    """The guest can write the port itself: a 4 GiB length ends the channel, the node
+    buffers nothing and its clients see EOF."""
+
+    async def guest_end(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(HDR.size)  # the reset
+        chan, kind, _ = HDR.unpack(await r.readexactly(HDR.size))  # the open
+        w.write(HDR.pack(chan, b"d", 0xFFFFFFFF) + b"x" * 100)
+        await r.read()
+
+    vm = tmp_path / "vm.sock"
+    server = await asyncio.start_unix_server(guest_end, str(vm))
+    mux = HostMux(vm, tmp_path / "ctl.sock")
+    await mux.start()
+    try:
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "ctl.sock"))
+        assert await r.read() == b""
+        assert not mux.connected
+        w.close()
+    finally:
+        await mux.close()
+        server.close()

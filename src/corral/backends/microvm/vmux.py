@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import struct
 from pathlib import Path
@@ -23,8 +24,12 @@ from corral.errors import SandboxError
 
 __all__ = ["HostMux"]
 
+log = logging.getLogger("corral.backends.microvm")
+
 _HDR = struct.Struct(">IcI")
 _CHUNK = 64 << 10  # largest payload the node sends (the guest's buffer holds 128 KiB)
+_MAX_IN = 1 << 20  # largest payload accepted from the guest (corral-init sends <= 64 KiB)
+_HIGH = 4 << 20  # bytes queued for one client before the pump waits for it
 
 
 class HostMux:
@@ -83,12 +88,25 @@ class HostMux:
             while True:
                 hdr = await self._r.readexactly(_HDR.size)
                 chan, kind, n = _HDR.unpack(hdr)
+                if n > _MAX_IN:
+                    # The guest is root in its VM and can write the port itself: a forged
+                    # length must not make the node buffer gigabytes. The channel is lost.
+                    log.warning(
+                        "microvm %s: frame of %d bytes from the guest; disconnected",
+                        self.vm_sock.parent.name,
+                        n,
+                    )
+                    return
                 data = await self._r.readexactly(n) if n else b""
                 w = self._chans.get(chan)
                 if w is None:
                     continue  # a channel that closed meanwhile
                 if kind == b"d":
                     w.write(data)
+                    if w.transport.get_write_buffer_size() > _HIGH:
+                        # a slow client: wait (all channels do) rather than buffer without end
+                        with contextlib.suppress(OSError, ConnectionError):
+                            await w.drain()
                 elif kind == b"c":
                     del self._chans[chan]
                     w.close()  # after what is buffered: the answer reaches the client
