@@ -214,3 +214,20 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert_no_leaks(state, run, sub)
     shutil.rmtree(state)
     shutil.rmtree(run, ignore_errors=True)
+
+
+async def test_kernel_missing_is_a_clear_error_and_the_node_runs(images_ready, tmp_path):  # type: ignore[no-untyped-def]
+    from corral.errors import CorralError
+
+    cfg = _cfg("k", accel="tcg")
+    cfg.backends[1] = cfg.backends[1].model_copy(
+        update={"kernel_dir": tmp_path / "none", "fetch_kernel": False}
+    )
+    async with open_node(cfg) as n:
+        st = n.backends.get("microvm").status()
+        assert not st.ok and "no kernel under" in st.detail["error"]
+        with pytest.raises(CorralError, match="microvm backend unavailable: .*no kernel"):
+            await n.sandbox_create(_spec())
+        assert n.backends.get("container").status().ok
+    assert_no_leaks(Path(f"{STATE}k"), Path(f"{RUN}k"), SUBTREE + "k")
+    shutil.rmtree(f"{STATE}k")

@@ -45,6 +45,9 @@ class MicroVMConfig(BaseModel):
     kernel_dir: Path | None = None
     """An extracted Debian kernel package (``boot/vmlinuz-*``, ``lib/modules/*``); default
     ``<state_dir>/microvm/kernel``, fetched there with apt-get on first start."""
+    fetch_kernel: bool = True
+    """Without a kernel in ``kernel_dir``, fetch one with apt-get (else the backend reports
+    itself not ok and refuses creates, naming what is missing; the node runs on)."""
     accel: Literal["auto", "kvm", "tcg"] = "auto"
     """``auto``: KVM if a probe boot succeeds (this node's /dev/kvm may not run a stock
     kernel), else TCG."""

@@ -79,6 +79,8 @@ class MicroVMBackend:
         self.kernel: guest.Kernel | None = None
         self.initrd: Path | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.broken = ""
+        """Why this engine cannot create sandboxes (a missing kernel...); empty when it can."""
 
     # ------------------------------------------------------------------ node-wide
     async def start(self) -> None:
@@ -88,8 +90,26 @@ class MicroVMBackend:
             return
         self._loop = asyncio.get_running_loop()
         self._dir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._prepare()
+        except HostError as e:
+            # The node runs on (its other engines are fine); this one says why it cannot.
+            self.broken = e.message
+            log.warning("microvm backend unavailable: %s", e.message)
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self._started = True
+
+    async def _prepare(self) -> None:
         kdir = self.config.kernel_dir or self._dir / "kernel"
-        self.kernel = await asyncio.to_thread(guest.fetch_kernel, kdir)
+        if self.config.fetch_kernel:
+            self.kernel = await asyncio.to_thread(guest.fetch_kernel, kdir)
+        else:
+            self.kernel = guest.find_kernel(kdir)
+            if self.kernel is None:
+                raise HostError(
+                    f"microvm: no kernel under {kdir} (boot/vmlinuz-* with lib/modules/*) "
+                    "and fetch_kernel is off"
+                )
         init = await asyncio.to_thread(ensure_built, self.ctx.state_dir / "bin")
         self.initrd = await asyncio.to_thread(guest.build_initramfs, self.kernel, init, self._dir)
         if self.config.accel != "auto":
@@ -103,8 +123,6 @@ class MicroVMBackend:
                     self.kernel.vmlinuz, self.initrd
                 )
                 cache.write_text(f"{self.accel}\n{self.accel_detail}")
-        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        self._started = True
 
     async def stop(self, keep_running: bool) -> None:
         """Disconnect from every VM (they keep running for the next node process to
@@ -139,14 +157,16 @@ class MicroVMBackend:
         return (self.dir(name) / "disk.img").exists()
 
     def status(self) -> BackendStatus:
+        detail = {"error": self.broken} if self.broken else {}
         return BackendStatus(
             kind=self.kind,
-            ok=self._started,
+            ok=self._started and not self.broken,
             accel=self.accel or None,
             detail={
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
                 "layers": "virtio-blk",
+                **detail,
             },
         )
 
@@ -203,6 +223,8 @@ class MicroVMBackend:
     ) -> Started:
         if not self._started:
             raise HostError("microvm backend not started")
+        if self.broken:
+            raise HostError(f"microvm backend unavailable: {self.broken}")
         if writable_from is not None:
             raise InvalidRequest("fork: not yet for microvm sandboxes")
         if spec.network.allow:
