@@ -13,7 +13,9 @@ Create, in order (each step undone if a later one fails):
 
 The image's EROFS layers are given to the guest read-only as virtio-blk disks, straight
 from the layer store's files (one host page cache with every container using them).
-Not yet: virtio-pmem with DAX for the layers, network, snapshot/fork/pack
+Pause/resume use the node's shared cgroup freeze (QEMU is in the sandbox's cgroup).
+Not yet: virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs"),
+network (a policy with names is refused), memory-snapshot pause, snapshot/fork/pack
 (``copy_writable`` and ``pack`` refuse with InvalidRequest).
 """
 
