@@ -11,11 +11,12 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["BackendConfig", "ContainerConfig"]
+__all__ = ["BackendConfig", "ContainerConfig", "MicroVMConfig"]
 
 
 class ContainerConfig(BaseModel):
@@ -34,5 +35,34 @@ class ContainerConfig(BaseModel):
     """How many owner uids (at most that many container sandboxes on the host at once)."""
 
 
-# One member today; a Union so that adding MicroVMConfig is a one-word change.
-BackendConfig = Annotated[Union[ContainerConfig], Field(discriminator="kind")]  # noqa: UP007
+class MicroVMConfig(BaseModel):
+    """MicroVM sandboxes: QEMU ``-M microvm``, a Debian cloud kernel, corral-init as PID 1
+    over virtio-serial (corral.backends.microvm)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["microvm"] = "microvm"
+    kernel_dir: Path | None = None
+    """An extracted Debian kernel package (``boot/vmlinuz-*``, ``lib/modules/*``); default
+    ``<state_dir>/microvm/kernel``, fetched there with apt-get on first start."""
+    fetch_kernel: bool = True
+    """Without a kernel in ``kernel_dir``, fetch one with apt-get (else the backend reports
+    itself not ok and refuses creates, naming what is missing; the node runs on)."""
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    """``auto``: KVM if a probe boot succeeds (this node's /dev/kvm may not run a stock
+    kernel), else TCG."""
+    boot_timeout: float = Field(120.0, gt=0)
+    """Seconds from QEMU's start to the guest agent's first answer (TCG boots take ~2-5 s
+    on an idle host, far more under load); past it the VMM is killed."""
+    vmm_uid: int | None = Field(None, ge=1)
+    """Host uid QEMU drops to once it has opened its files; default ``host_uid - 1`` (below
+    the range sandbox uids map to, used by nothing else)."""
+    memory_overhead: int = Field(256 << 20, ge=0)
+    """Bytes the sandbox's cgroup allows beyond the guest's memory (QEMU itself, its
+    translation cache under TCG)."""
+
+
+BackendConfig = Annotated[
+    Union[ContainerConfig, MicroVMConfig],  # noqa: UP007
+    Field(discriminator="kind"),
+]

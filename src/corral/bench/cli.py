@@ -10,10 +10,12 @@ Example::
     corral bench destroy --count 50 --vs docker --json
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
+    corral bench microvm --count 8 --json
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -74,6 +76,22 @@ def fork_cmd(
     from corral.spec import parse_bytes
 
     return fork.fork(opts, count, parse_bytes(size), rounds)
+
+
+@scenario(app, "microvm", image_help="An image in the store, or 'debian'/'busybox' (built).")
+def microvm_cmd(
+    opts: BenchOptions,
+    count: Count = 8,
+    kernel_dir: Annotated[
+        Path | None,
+        typer.Option("--kernel-dir", help="An extracted Debian kernel (default: fetched)."),
+    ] = None,
+) -> Scenario:
+    """MicroVMs: boot to first exec (p50/p99), exec p50, host memory per VM, accelerator,
+    and the container boot to exec of the same run."""
+    from corral.bench.microvm import microvm
+
+    return microvm(opts, count, kernel_dir)
 
 
 @scenario(

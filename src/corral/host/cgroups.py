@@ -382,6 +382,14 @@ class Cgroups:
         for ctrl in self._ctrl:
             self._write(self._dir(ctrl, name) / "cgroup.procs", str(pid))
 
+    def procs_files(self, name: str) -> list[Path]:
+        """The ``cgroup.procs`` file of cgroup ``name`` in every hierarchy: what a process
+        writes its own pid to before it execs, so that it starts inside (a microVM's VMM,
+        whose memory would otherwise be charged where it was spawned)."""
+        if self.mode == "v2":
+            return [self._dir("", name) / "cgroup.procs"]
+        return [self._dir(ctrl, name) / "cgroup.procs" for ctrl in self._ctrl]
+
     # -- reading ----------------------------------------------------------------------
 
     @staticmethod

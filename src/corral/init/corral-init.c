@@ -26,6 +26,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <pthread.h>
 #include <termios.h>
@@ -1286,6 +1287,10 @@ static void refuse(int fd, const char *msg)
 	close(fd);
 }
 
+/* The pid SO_PEERCRED must show for the node: 0 (outside our pid namespace) for a
+ * container; our own pid in --vmux mode, where our mux thread is the only peer. */
+static pid_t peer_pid;
+
 static void do_accept(void)
 {
 	for (int i = 0; i < 16; i++) {
@@ -1301,7 +1306,7 @@ static void do_accept(void)
 		 * kernel shows its pid as 0; a process of the sandbox has a pid here. */
 		struct ucred cr;
 		socklen_t l = sizeof cr;
-		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) < 0 || cr.pid != 0) {
+		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) < 0 || cr.pid != peer_pid) {
 			refuse(fd, "corral-init: peer refused");
 			continue;
 		}
@@ -1532,6 +1537,271 @@ static void loop(void)
 	}
 }
 
+/* ------------------------------------------------------------------ --vmux (microVMs)
+ * In a microVM the node reaches us over one virtio-serial port, not a unix socket per
+ * request. The mux thread (outside the landlock domain, like the main thread) carries
+ * many logical connections over that port and turns each into a real connection to our
+ * own listening socket (abstract, autobound; only peers with our own pid are accepted),
+ * so the one-request-per-connection protocol above stays exactly as it is.
+ * Port framing, both directions: u32 channel (BE) · u8 kind · u32 length (BE) · payload.
+ * Kinds: 'o' open (node -> init), 'd' data, 'c' close (that side closed its connection),
+ * 'r' reset (node -> init: a new node connection; every channel is closed).
+ * Documented in docs/init-protocol.md ("microVMs"). */
+#define VMUX_MAX_CHANS 1024
+#define VMUX_MAX_PENDING (64u << 20)
+
+struct vchan {
+	uint32_t id;
+	int fd;
+	char *pend; /* bytes for the init not written yet */
+	size_t plen, pcap;
+	struct vchan *next;
+};
+
+static int vmux_dev = -1;
+static struct sockaddr_un vmux_addr;
+static socklen_t vmux_addrlen;
+
+static int vmux_write_all(const void *p, size_t n)
+{
+	const char *b = p;
+	while (n) {
+		ssize_t w = write(vmux_dev, b, n);
+		if (w < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN) {
+				struct pollfd pf = {vmux_dev, POLLOUT, 0};
+				poll(&pf, 1, 100);
+				continue;
+			}
+			return -1;
+		}
+		b += w;
+		n -= (size_t)w;
+	}
+	return 0;
+}
+
+static int vmux_send(uint32_t id, char kind, const void *p, uint32_t n)
+{
+	unsigned char h[9] = {id >> 24, id >> 16, id >> 8, id, (unsigned char)kind,
+			      n >> 24, n >> 16, n >> 8, n};
+	if (vmux_write_all(h, 9) < 0)
+		return -1;
+	return n ? vmux_write_all(p, n) : 0;
+}
+
+static void vchan_free(struct vchan **list, struct vchan *c)
+{
+	for (struct vchan **pp = list; *pp; pp = &(*pp)->next)
+		if (*pp == c) {
+			*pp = c->next;
+			break;
+		}
+	close(c->fd);
+	free(c->pend);
+	free(c);
+}
+
+static void vchan_flush(struct vchan **list, struct vchan *c)
+{
+	while (c->plen) {
+		ssize_t w = send(c->fd, c->pend, c->plen, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (w < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno != EAGAIN) {
+				vmux_send(c->id, 'c', NULL, 0);
+				vchan_free(list, c);
+			}
+			return;
+		}
+		memmove(c->pend, c->pend + w, c->plen - (size_t)w);
+		c->plen -= (size_t)w;
+	}
+}
+
+static void *vmux_thread(void *arg)
+{
+	(void)arg;
+	struct vchan *chans = NULL;
+	size_t nchans = 0;
+	static unsigned char in[1 << 17], rd[CHUNK];
+	size_t inlen = 0;
+	struct pollfd *pf = NULL;
+	struct vchan **who = NULL;
+	size_t cap = 0;
+	for (;;) {
+		if (cap < nchans + 1) {
+			cap = (nchans + 1) * 2;
+			pf = realloc(pf, cap * sizeof *pf);
+			who = realloc(who, cap * sizeof *who);
+			if (!pf || !who)
+				abort();
+		}
+		size_t n = 0;
+		pf[n++] = (struct pollfd){vmux_dev, POLLIN, 0};
+		for (struct vchan *c = chans; c; c = c->next) {
+			who[n] = c;
+			pf[n++] = (struct pollfd){c->fd, (short)(POLLIN | (c->plen ? POLLOUT : 0)), 0};
+		}
+		if (poll(pf, n, -1) < 0)
+			continue;
+		for (size_t i = 1; i < n; i++) {
+			struct vchan *c = who[i];
+			if (!pf[i].revents)
+				continue;
+			if (pf[i].revents & POLLOUT)
+				vchan_flush(&chans, c);
+			/* c may be gone: look it up again */
+			int alive = 0;
+			for (struct vchan *d = chans; d; d = d->next)
+				alive |= d == c;
+			if (!alive)
+				continue;
+			if (pf[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+				ssize_t r = recv(c->fd, rd, sizeof rd, MSG_DONTWAIT);
+				if (r > 0) {
+					vmux_send(c->id, 'd', rd, (uint32_t)r);
+				} else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+					vmux_send(c->id, 'c', NULL, 0);
+					vchan_free(&chans, c);
+					nchans--;
+				}
+			}
+		}
+		if (!pf[0].revents)
+			continue;
+		ssize_t r = read(vmux_dev, in + inlen, sizeof in - inlen);
+		if (r <= 0) {
+			if (r < 0 && (errno == EINTR || errno == EAGAIN))
+				continue;
+			/* the node is not connected (the port reads EOF and polls as hung up until
+			 * it is): its connections are gone; look again in 20 ms */
+			while (chans) {
+				vchan_free(&chans, chans);
+				nchans--;
+			}
+			inlen = 0;
+			struct timespec ts = {0, 20000000};
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		inlen += (size_t)r;
+		size_t off = 0;
+		while (inlen - off >= 9) {
+			unsigned char *h = in + off;
+			uint32_t id = (uint32_t)h[0] << 24 | h[1] << 16 | h[2] << 8 | h[3];
+			uint32_t len = (uint32_t)h[5] << 24 | h[6] << 16 | h[7] << 8 | h[8];
+			char kind = (char)h[4];
+			if (len > sizeof in - 9) { /* the node never sends that: resync by reset */
+				inlen = off = 0;
+				break;
+			}
+			if (inlen - off < 9 + (size_t)len)
+				break;
+			unsigned char *p = h + 9;
+			off += 9 + len;
+			struct vchan *c = NULL;
+			for (struct vchan *d = chans; d; d = d->next)
+				if (d->id == id)
+					c = d;
+			if (kind == 'r') {
+				while (chans) {
+					vchan_free(&chans, chans);
+					nchans--;
+				}
+			} else if (kind == 'o' && !c) {
+				int fd = nchans < VMUX_MAX_CHANS
+						 ? socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+				if (fd < 0 || connect(fd, (struct sockaddr *)&vmux_addr, vmux_addrlen) < 0) {
+					if (fd >= 0)
+						close(fd);
+					vmux_send(id, 'c', NULL, 0);
+					continue;
+				}
+				c = calloc(1, sizeof *c);
+				if (!c) {
+					close(fd);
+					vmux_send(id, 'c', NULL, 0);
+					continue;
+				}
+				c->id = id;
+				c->fd = fd;
+				c->next = chans;
+				chans = c;
+				nchans++;
+			} else if (kind == 'd' && c) {
+				if (c->plen + len > VMUX_MAX_PENDING) {
+					vmux_send(id, 'c', NULL, 0);
+					vchan_free(&chans, c);
+					nchans--;
+					continue;
+				}
+				if (c->plen + len > c->pcap) {
+					size_t nc = (c->plen + len) * 2;
+					char *b = realloc(c->pend, nc);
+					if (!b)
+						abort();
+					c->pend = b;
+					c->pcap = nc;
+				}
+				memcpy(c->pend + c->plen, p, len);
+				c->plen += len;
+				vchan_flush(&chans, c);
+			} else if (kind == 'c' && c) {
+				vchan_free(&chans, c);
+				nchans--;
+			}
+		}
+		memmove(in, in + off, inlen - off);
+		inlen -= off;
+	}
+	return NULL;
+}
+
+/* Make fd 3 our own listening socket and start the mux thread on the serial port. */
+static int vmux_start(const char *dev)
+{
+	int d = open(dev, O_RDWR | O_CLOEXEC);
+	/* above fd 3, which becomes the listening socket */
+	vmux_dev = d < 0 ? -1 : fcntl(d, F_DUPFD_CLOEXEC, 10);
+	if (d >= 0)
+		close(d);
+	if (vmux_dev < 0) {
+		fprintf(stderr, "corral-init: --vmux %s: %s\n", dev, strerror(errno));
+		return -1;
+	}
+	int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un a = {.sun_family = AF_UNIX};
+	/* bind with no name: the kernel autobinds a fresh abstract name */
+	if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof(sa_family_t)) < 0 || listen(s, 64) < 0) {
+		fprintf(stderr, "corral-init: vmux socket: %s\n", strerror(errno));
+		return -1;
+	}
+	vmux_addrlen = sizeof vmux_addr;
+	if (getsockname(s, (struct sockaddr *)&vmux_addr, &vmux_addrlen) < 0)
+		return -1;
+	if (s != LISTEN_FD) {
+		if (dup2(s, LISTEN_FD) < 0)
+			return -1;
+		close(s);
+	}
+	peer_pid = getpid();
+	pthread_t t;
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the main thread */
+	int e = pthread_create(&t, NULL, vmux_thread, NULL);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (e) {
+		fprintf(stderr, "corral-init: vmux thread: %s\n", strerror(e));
+		return -1;
+	}
+	return 0;
+}
+
 static int check_listen_fd(void)
 {
 	int v = 0;
@@ -1549,16 +1819,27 @@ static int check_listen_fd(void)
 
 int main(int argc, char **argv)
 {
+	const char *vmux = NULL;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--version") == 0) {
 			puts(VERSION);
 			return 0;
 		}
-		fprintf(stderr, "usage: corral-init [--version]\n"
-				"  runs as PID 1 with a listening unix socket as fd 3\n");
+		if (strcmp(argv[i], "--vmux") == 0 && i + 1 < argc) {
+			vmux = argv[++i];
+			continue;
+		}
+		fprintf(stderr, "usage: corral-init [--version] [--vmux SERIAL-PORT]\n"
+				"  runs as PID 1 with a listening unix socket as fd 3, or (--vmux)\n"
+				"  serving the node over a virtio-serial port (microVMs)\n");
 		return 2;
 	}
-	if (check_listen_fd() < 0) {
+	if (vmux) {
+		/* fds above 2 the kernel or the initramfs left us go first: fd 3 becomes ours */
+		close_range(3, ~0u, 0);
+		if (vmux_start(vmux) < 0)
+			return 1;
+	} else if (check_listen_fd() < 0) {
 		fprintf(stderr, "corral-init: fd 3 is not a listening unix stream socket "
 				"(start it with runc run --preserve-fds 1)\n");
 		return 1;
@@ -1569,7 +1850,8 @@ int main(int argc, char **argv)
 	/* outside a pid namespace (tests, debugging) orphans still come to us */
 	prctl(PR_SET_CHILD_SUBREAPER, 1);
 	/* nothing of ours may reach a child: only 0-3 are expected, 3 becomes CLOEXEC */
-	close_range(LISTEN_FD + 1, ~0u, 0);
+	if (!vmux)
+		close_range(LISTEN_FD + 1, ~0u, 0);
 	fcntl(LISTEN_FD, F_SETFD, FD_CLOEXEC);
 	set_nonblock(LISTEN_FD);
 

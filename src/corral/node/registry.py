@@ -16,7 +16,10 @@ from corral.spec import SandboxInfo, SandboxSpec
 
 __all__ = ["Backends", "make_backend"]
 
-_ENGINES: dict[str, str] = {"container": "corral.backends.container:ContainerBackend"}
+_ENGINES: dict[str, str] = {
+    "container": "corral.backends.container:ContainerBackend",
+    "microvm": "corral.backends.microvm.backend:MicroVMBackend",
+}
 """kind -> "module:class" (imported on first use)."""
 
 
@@ -26,7 +29,7 @@ def make_backend(cfg: BackendConfig, ctx: HostContext, node: NodeConfig) -> Back
     cls = getattr(importlib.import_module(module), name)
     if cfg.kind == "container":
         backend: Backend = cls(cfg, ctx, owner_first=node.owner_first(cfg))
-    else:  # pragma: no cover - the next engines add their construction here
+    else:
         backend = cls(cfg, ctx)
     return backend
 

@@ -1,0 +1,101 @@
+"""``corral bench microvm``: what a microVM sandbox costs next to a container, in one run.
+
+Boots ``count`` microVMs one after another (create + first ``true``: boot to exec), times
+execs in one of them, reads each VM's host memory from its cgroup while all are up, then
+creates the same number of containers (boot to exec) for the comparison. Keys per issue 12;
+the figures of parts not built yet (DAX layers, memory-snapshot pause, snapshot resume,
+fork) are null and named under ``not_yet``. Under TCG (this host) absolute boot times are
+reported, not targeted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from corral.bench.image import ensure_image
+from corral.bench.scenarios import BenchOptions, machine, say
+from corral.bench.stats import p50, p99
+from corral.images.store import LayerStore
+
+__all__ = ["microvm"]
+
+
+async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> dict[str, Any]:
+    from corral.node import Node, NodeConfig
+    from corral.spec import ExecRequest, Limits, SandboxSpec
+
+    store = LayerStore(opts.store_dir)
+    image = await asyncio.to_thread(ensure_image, store, opts.image)
+    vm_cfg: dict[str, Any] = {"kind": "microvm"}
+    if kernel_dir is not None:
+        vm_cfg["kernel_dir"] = str(kernel_dir)
+    cfg = NodeConfig.model_validate(
+        {
+            "state_dir": opts.state_dir,
+            "run_dir": opts.run_dir,
+            "store": opts.store,
+            "cgroup_subtree": opts.subtree,
+            "backends": [{"kind": "container", "runtime": opts.runtime}, vm_cfg],
+        }
+    )
+    limits = Limits(cpus=1, memory="256MiB", disk="1GiB")
+    # latency: a TCG boot on idle CPU only would measure the host's other load
+    spec = SandboxSpec(image=image.info.name, backend="microvm", limits=limits, qos="latency")
+    cspec = spec.model_copy(update={"backend": "container"})
+    node = await Node.open(cfg)
+    ids: list[str] = []
+    out: dict[str, Any] = {"scenario": "microvm", "count": count, "image": image.info.name}
+    out["machine"] = machine()
+    try:
+        await node.gc(everything=True)
+        vm = node.backends.get("microvm")
+        assert vm is not None
+        out["accel"] = vm.status().accel
+        out["accel_detail"] = vm.status().detail.get("accel_detail", "")
+
+        async def boot(s: SandboxSpec) -> float:
+            t0 = time.perf_counter()
+            info = await node.sandbox_create(s)
+            ids.append(info.id)
+            r = await node.exec(info.id, ExecRequest(cmd=["true"]))
+            if r.exit_code != 0:
+                raise RuntimeError(f"`true` in {info.id}: {r.reason} {r.stderr[:200]!r}")
+            return time.perf_counter() - t0
+
+        say(f"microvm: {count} boots to first exec, one after another ({out['accel']})")
+        boots = [await boot(spec) for _ in range(count)]
+        out["boot_to_exec_ms"] = {"p50": _ms(p50(boots)), "p99": _ms(p99(boots))}
+        say("microvm: 50 execs of true in one VM")
+        lat = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            await node.exec(ids[0], ExecRequest(cmd=["true"]))
+            lat.append(time.perf_counter() - t0)
+        out["exec_p50_ms"] = _ms(p50(lat))
+        mem = [vm.meters(i).memory_resident or 0 for i in ids]
+        out["host_mem_per_vm_mib"] = round(sum(mem) / len(mem) / (1 << 20), 1)
+        for i in ids:
+            await node.sandbox_destroy(i)
+        ids.clear()
+        say(f"container: {count} boots to first exec, one after another")
+        cboots = [await boot(cspec) for _ in range(count)]
+        out["container_boot_to_exec_ms"] = _ms(p50(cboots))
+    finally:
+        for i in ids:
+            await node.sandbox_destroy(i)
+        await node.close()
+    out.update(
+        dax=None,
+        pause_released_fraction=None,
+        snapshot_resume_to_exec_ms=None,
+        fork_per_s=None,
+        not_yet=["dax (layers are virtio-blk)", "pause memory_snapshot", "snapshot", "fork"],
+    )
+    return out
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)

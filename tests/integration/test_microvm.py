@@ -1,0 +1,233 @@
+"""The microVM backend on a real node: QEMU (TCG on this host), the Debian cloud kernel,
+corral-init over virtio-serial. One node per module; the kernel is fetched once into a
+cache kept between runs (/var/cache/corral-test-microvm)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TAG
+from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
+    pytest.mark.skipif(not Path("/bin/busybox").exists(), reason="needs busybox-static"),
+]
+
+STATE = Path(f"/var/lib/corral-test{TAG}-vm")
+RUN = Path(f"/run/corral-test{TAG}-vm")
+SUBTREE = f"corral-test{TAG}-vm"
+KERNEL = Path("/var/cache/corral-test-microvm/kernel")
+
+
+def _cfg(suffix: str = "", **vm):  # type: ignore[no-untyped-def]
+    from corral.backends.config import ContainerConfig, MicroVMConfig
+
+    return node_config(
+        state_dir=Path(f"{STATE}{suffix}"),
+        run_dir=Path(f"{RUN}{suffix}"),
+        cgroup_subtree=SUBTREE + suffix,
+        backends=[ContainerConfig(), MicroVMConfig(kernel_dir=KERNEL, **vm)],
+    )
+
+
+@pytest.fixture(scope="module")
+async def vmnode(images_ready):  # type: ignore[no-untyped-def]
+    async with open_node(_cfg()) as n:
+        yield n
+    assert_no_leaks(STATE, RUN, SUBTREE)
+
+
+def _vmm_procs() -> list[int]:
+    """QEMU processes whose command line names this module's state dirs."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"qemu-system") and b"corral-test" + TAG.encode() + b"-vm" in cmd:
+            out.append(int(p))
+    return out
+
+
+def _spec(**kw):  # type: ignore[no-untyped-def]
+    from corral.spec import Limits, SandboxSpec
+
+    return SandboxSpec(
+        image="test/busybox",
+        backend="microvm",
+        limits=Limits(cpus=1, memory="256MiB", disk="256MiB"),
+        qos="latency",  # TCG boots on a busy 2-core host: not on idle CPU only
+        **kw,
+    )
+
+
+async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def]
+    status = vmnode.backends.get("microvm").status()
+    assert status.ok and status.accel in ("kvm", "tcg")
+    from corral.spec import ExecRequest
+
+    info = await vmnode.sandbox_create(_spec())
+    try:
+        d = vmnode.backends.get("microvm").dir(info.id)
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/proc/sys/kernel/osrelease"]))
+        assert r.exit_code == 0, r
+        # the guest's own kernel, not the host's
+        assert r.stdout.strip().endswith(b"cloud-amd64"), r.stdout
+        assert r.stdout.strip().decode() != os.uname().release
+        cmd = ["sh", "-c", "echo hi > /tmp/x; cat /tmp/x; id -u"]
+        r = await vmnode.exec(info.id, ExecRequest(cmd=cmd))
+        assert r.stdout == b"hi\n0\n", r
+        await vmnode.file_write(info.id, "/root/f.txt", b"hello\x00bytes")
+        assert await vmnode.file_read(info.id, "/root/f.txt") == b"hello\x00bytes"
+        assert await vmnode.file_read(info.id, "/root/f.txt", 5, 3) == b"\x00by"
+        st = await vmnode.file_stat(info.id, "/root/f.txt")
+        assert st.type == "file" and st.size == 11
+        names = [s.name for s in await vmnode.file_list(info.id, "/root")]
+        assert "f.txt" in names
+        from corral.errors import NotFound
+
+        with pytest.raises(NotFound):
+            await vmnode.file_read(info.id, "/nope")
+        await vmnode.file_mkdir(info.id, "/root/a/b")
+        assert (await vmnode.file_stat(info.id, "/root/a/b")).type == "dir"
+        tar = await vmnode.file_download_tar(info.id, "/root")
+        await vmnode.file_remove(info.id, "/root/a", recursive=True)
+        with pytest.raises(NotFound):
+            await vmnode.file_stat(info.id, "/root/a")
+        await vmnode.file_upload_tar(info.id, "/work/copy", tar)
+        assert await vmnode.file_read(info.id, "/work/copy/f.txt") == b"hello\x00bytes"
+        # 768 KiB in and out: many frames each way through both multiplexers
+        big = bytes(range(256)) * 3072
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["cat"], stdin=big))
+        assert r.exit_code == 0, r.reason
+        assert r.stdout == big
+        assert (d / "vm.sock").exists() and (d / "disk.img").exists()
+        # the jail: QEMU in the sandbox's cgroup and a netns of its own, chrooted into the
+        # sandbox dir, not root
+        (pid,) = _vmm_procs()
+        b = vmnode.backends.get("microvm")
+        assert pid in b.cgroups.procs(info.id) and pid == info.pid
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{pid}/root") == str(d)
+        uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
+        assert "0" not in uids, uids
+    finally:
+        await vmnode.sandbox_destroy(info.id)
+    assert not _vmm_procs()
+    assert not d.exists()
+
+
+async def test_pause_resume_through_the_shared_cgroup_path(vmnode):  # type: ignore[no-untyped-def]
+    """The node's freeze (and reclaim) works on a VM as on a container: QEMU is in the
+    sandbox's cgroup. The guest's state survives; exec works after resume."""
+    from corral.spec import ExecRequest
+
+    info = await vmnode.sandbox_create(_spec())
+    try:
+        await vmnode.exec(info.id, ExecRequest(cmd=["sh", "-c", "echo kept > /root/s"]))
+        paused = await vmnode.sandbox_pause(info.id)
+        assert paused.state == "paused"
+        b = vmnode.backends.get("microvm")
+        assert b.cgroups.is_frozen(info.id)
+        await vmnode.sandbox_resume(info.id)
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/root/s"]))
+        assert r.stdout == b"kept\n", r
+    finally:
+        await vmnode.sandbox_destroy(info.id)
+    assert not _vmm_procs()
+
+
+async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore[no-untyped-def]
+    """A guest whose agent never comes up: a clear timeout, the VMM killed, nothing left.
+    (Here: a boot timeout far below what a TCG boot takes.)"""
+    from corral.errors import CorralError
+
+    # accel given: no second probe boot on this node's fresh state dir
+    async with open_node(_cfg("t", boot_timeout=0.5, accel="tcg")) as n:
+        with pytest.raises(CorralError) as e:
+            await n.sandbox_create(_spec())
+        assert "did not answer within 0.5 s" in str(e.value)
+        assert "VMM killed" in str(e.value)
+        assert not _vmm_procs()
+        assert await n.sandbox_list() == []
+        assert not [p for p in n.config.state_dir.glob("scratch/sb-*")]
+    assert_no_leaks(Path(f"{STATE}t"), Path(f"{RUN}t"), SUBTREE + "t")
+    shutil.rmtree(f"{STATE}t")
+
+
+async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def]
+    """A node that closes leaves its VMs running; the next one adopts them over a new
+    connection to QEMU's socket (the guest's mux drops the old channels on reset)."""
+    from corral.node import Node
+    from corral.spec import ExecRequest
+
+    cfg = _cfg("r", accel="tcg")
+    node = await Node.open(cfg)
+    try:
+        await node.gc(everything=True)
+        info = await node.sandbox_create(_spec())
+        await node.file_write(info.id, "/root/kept", b"before")
+    finally:
+        await node.close()
+    assert _vmm_procs()  # still running without a node
+    node = await Node.open(cfg)
+    try:
+        got = await node.sandbox_get(info.id)
+        assert got.state == "running", got
+        r = await node.exec(info.id, ExecRequest(cmd=["cat", "/root/kept"]))
+        assert r.stdout == b"before", r
+        await node.sandbox_destroy(info.id)
+        assert not _vmm_procs()
+    finally:
+        for i in await node.sandbox_list():
+            await node.sandbox_destroy(i.id)
+        await node.close()
+    assert_no_leaks(Path(f"{STATE}r"), Path(f"{RUN}r"), SUBTREE + "r")
+    shutil.rmtree(f"{STATE}r")
+    shutil.rmtree(f"{RUN}r", ignore_errors=True)
+
+
+@pytest.mark.heavy
+def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
+    """``corral bench microvm --json``: the issue's keys, measured ones filled."""
+    from tests.conftest import TEST_STORE
+
+    state, run, sub = Path(f"{STATE}b"), Path(f"{RUN}b"), SUBTREE + "b"
+    out = run_bench(
+        "microvm", "--count", "2", "--kernel-dir", str(KERNEL),
+        state=state, run=run, subtree=sub, store=TEST_STORE, image="test/busybox",
+        timeout=600,
+    )  # fmt: skip
+    assert out["scenario"] == "microvm" and out["accel"] in ("kvm", "tcg")
+    assert out["boot_to_exec_ms"]["p50"] > 0 and out["exec_p50_ms"] > 0
+    assert out["host_mem_per_vm_mib"] > 0 and out["container_boot_to_exec_ms"] > 0
+    for k in ("dax", "pause_released_fraction", "snapshot_resume_to_exec_ms", "fork_per_s"):
+        assert k in out
+    assert_no_leaks(state, run, sub)
+    shutil.rmtree(state)
+    shutil.rmtree(run, ignore_errors=True)
+
+
+async def test_kernel_missing_is_a_clear_error_and_the_node_runs(images_ready, tmp_path):  # type: ignore[no-untyped-def]
+    from corral.errors import CorralError
+
+    cfg = _cfg("k", accel="tcg")
+    cfg.backends[1] = cfg.backends[1].model_copy(
+        update={"kernel_dir": tmp_path / "none", "fetch_kernel": False}
+    )
+    async with open_node(cfg) as n:
+        st = n.backends.get("microvm").status()
+        assert not st.ok and "no kernel under" in st.detail["error"]
+        with pytest.raises(CorralError, match="microvm backend unavailable: .*no kernel"):
+            await n.sandbox_create(_spec())
+        assert n.backends.get("container").status().ok
+    assert_no_leaks(Path(f"{STATE}k"), Path(f"{RUN}k"), SUBTREE + "k")
+    shutil.rmtree(f"{STATE}k")

@@ -1,0 +1,147 @@
+"""Pieces of the microVM backend that need no QEMU: the host multiplexer against a fake
+guest end, the initramfs archive, module ordering, the QEMU command line."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+from corral.backends.microvm import guest, qemu
+from corral.backends.microvm.vmux import HostMux
+
+HDR = struct.Struct(">IcI")
+
+
+async def test_host_mux_carries_one_connection_per_channel(tmp_path: Path) -> None:
+    """Two client connections become two channels; the fake guest echoes each one's
+    bytes upper-cased and closes it; the first frame on the port is a reset."""
+    seen: list[bytes] = []
+
+    async def guest_end(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                chan, kind, n = HDR.unpack(await r.readexactly(HDR.size))
+            except asyncio.IncompleteReadError:
+                return
+            data = await r.readexactly(n) if n else b""
+            seen.append(kind)
+            if kind == b"d":
+                w.write(HDR.pack(chan, b"d", n) + data.upper() + HDR.pack(chan, b"c", 0))
+
+    vm = tmp_path / "vm.sock"
+    server = await asyncio.start_unix_server(guest_end, str(vm))
+    mux = HostMux(vm, tmp_path / "ctl.sock")
+    await mux.start()
+    try:
+
+        async def ask(msg: bytes) -> bytes:
+            r, w = await asyncio.open_unix_connection(str(tmp_path / "ctl.sock"))
+            w.write(msg)
+            out = await r.read()  # until the guest's close
+            w.close()
+            return out
+
+        assert await asyncio.gather(ask(b"one"), ask(b"two")) == [b"ONE", b"TWO"]
+        assert seen[0] == b"r" and seen.count(b"o") == 2
+    finally:
+        await mux.close()
+        server.close()
+    assert not (tmp_path / "ctl.sock").exists()
+
+
+async def test_host_mux_clients_see_eof_when_qemu_goes(tmp_path: Path) -> None:
+    vm = tmp_path / "vm.sock"
+    conns: list[asyncio.StreamWriter] = []
+
+    async def guest_end(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+        await r.read(HDR.size)
+
+    server = await asyncio.start_unix_server(guest_end, str(vm))
+    mux = HostMux(vm, tmp_path / "ctl.sock")
+    await mux.start()
+    try:
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "ctl.sock"))
+        w.write(b"request")
+        while not conns:
+            await asyncio.sleep(0.01)
+        conns[0].close()  # QEMU gone
+        assert await r.read() == b""
+        w.close()
+    finally:
+        await mux.close()
+        server.close()
+
+
+def test_cpio_newc_archive() -> None:
+    raw = guest._cpio([("bin", 0o040755, b""), ("init", 0o100755, b"#!/bin/sh\n")])
+    assert raw.startswith(b"070701")
+    assert b"init\0" in raw and b"#!/bin/sh\n" in raw and b"TRAILER!!!\0" in raw
+    assert len(raw) % 4 == 0
+
+
+def test_module_order_puts_dependencies_first(tmp_path: Path) -> None:
+    mods = tmp_path / "lib" / "modules" / "6.1.0-test"
+    mods.mkdir(parents=True)
+    (mods / "modules.dep").write_text(
+        "kernel/a/virtio_mmio.ko: kernel/v/virtio.ko kernel/v/virtio_ring.ko\n"
+        "kernel/v/virtio.ko:\nkernel/v/virtio_ring.ko:\n"
+        "kernel/fs/erofs.ko: kernel/lib/libcrc32c.ko\nkernel/lib/libcrc32c.ko:\n"
+    )
+    (mods / "modules.builtin").write_text("kernel/fs/overlayfs/overlay.ko\n")
+    (tmp_path / "boot").mkdir()
+    (tmp_path / "boot" / "vmlinuz-6.1.0-test").write_bytes(b"k")
+    k = guest.find_kernel(tmp_path)
+    assert k is not None and k.version == "6.1.0-test"
+    order = guest.module_order(k, ("virtio_mmio", "erofs", "overlay"))
+    assert order == [
+        "kernel/v/virtio_ring.ko",
+        "kernel/v/virtio.ko",
+        "kernel/a/virtio_mmio.ko",
+        "kernel/lib/libcrc32c.ko",
+        "kernel/fs/erofs.ko",
+    ]
+
+
+def test_vm_argv_layers_read_only_and_disk_serials(tmp_path: Path) -> None:
+    f = qemu.VMFiles(
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        layers=[tmp_path / "l0.erofs", tmp_path / "l1.erofs"],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "c.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+    )
+    argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas="999:999")
+    text = " ".join(argv)
+    assert "corral.layers=2" in text
+    assert f"file={tmp_path / 'l1.erofs'},format=raw,if=none,readonly=on" in text
+    assert "serial=l0" in text and "serial=rw" in text
+    assert argv[-2:] == ["-runas", "999:999"]
+    assert "-sandbox" in argv
+
+
+async def test_host_mux_drops_a_guest_that_forges_a_huge_frame(tmp_path: Path) -> None:
+    """The guest can write the port itself: a 4 GiB length ends the channel, the node
+    buffers nothing and its clients see EOF."""
+
+    async def guest_end(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(HDR.size)  # the reset
+        chan, kind, _ = HDR.unpack(await r.readexactly(HDR.size))  # the open
+        w.write(HDR.pack(chan, b"d", 0xFFFFFFFF) + b"x" * 100)
+        await r.read()
+
+    vm = tmp_path / "vm.sock"
+    server = await asyncio.start_unix_server(guest_end, str(vm))
+    mux = HostMux(vm, tmp_path / "ctl.sock")
+    await mux.start()
+    try:
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "ctl.sock"))
+        assert await r.read() == b""
+        assert not mux.connected
+        w.close()
+    finally:
+        await mux.close()
+        server.close()
