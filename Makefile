@@ -4,8 +4,9 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftables iproute2 \
                 busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
-# what only the tests need: a real Prometheus, the dashboard's browser, tmux for `corral top`
-TEST_APT_PACKAGES := prometheus chromium tmux
+# what only the tests need: a real Prometheus, the dashboard's browser, tmux for `corral top`,
+# QEMU for the microVM backend
+TEST_APT_PACKAGES := prometheus chromium tmux qemu-system-x86
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint gen deps test-deps venv bench clean-node

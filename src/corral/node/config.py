@@ -37,6 +37,11 @@ class SwapConfig(BaseModel):
     """``file`` only: where the swap file goes; default ``state_dir/swap/corral.swap``."""
 
 
+def _containers_only() -> list[BackendConfig]:
+    """The default engines: containers alone (a microVM engine needs its kernel fetched)."""
+    return [ContainerConfig()]
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,7 +56,7 @@ class NodeConfig(BaseModel):
     id_count: int = Field(65536, ge=1024)
     scratch_size: ByteSize = 64 << 30
     """Size of the sparse btrfs image holding writable layers."""
-    backends: list[BackendConfig] = Field(default_factory=lambda: [ContainerConfig()], min_length=1)
+    backends: list[BackendConfig] = Field(default_factory=lambda: _containers_only(), min_length=1)
     """The isolation engines this node runs (``[[node.backends]]`` with ``kind``); each kind
     at most once."""
     default_backend: str = "container"

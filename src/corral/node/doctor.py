@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from corral.backends.config import ContainerConfig
 from corral.errors import HostError
 from corral.host import fdstore, landlock, leaks, spawn
 from corral.host.cbuild import built_path
@@ -277,7 +278,7 @@ def _runtime(x: _Ctx) -> Check:
     try:
         mode = detect_mode(mountinfo)
         container = x.config.backend_config("container")
-        runtime = container.runtime if container is not None else "auto"
+        runtime = container.runtime if isinstance(container, ContainerConfig) else "auto"
         prefer = None if runtime == "auto" else runtime
         name, binary, legacy = x.probes.runtime(mode, prefer)
     except HostError as e:
