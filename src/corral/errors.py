@@ -10,6 +10,7 @@
     │   └── ProcessNotFound          a background process or shell id
     ├── Conflict                     wrong state for the operation (HTTP 409)
     ├── CapacityError                the node refuses: no room for another sandbox (HTTP 503)
+    │   └── QuotaExceeded            a job's own limit (live cap) is reached (HTTP 429)
     ├── SandboxError                 the sandbox is broken or its init does not answer (HTTP 502)
     ├── BuildError                   a layer could not be built
     ├── LayerCorrupt                 a layer file does not match its digest
@@ -34,6 +35,7 @@ __all__ = [
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
+    "QuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
@@ -94,6 +96,19 @@ class CapacityError(CorralError):
     status = 503
 
 
+class QuotaExceeded(CapacityError):
+    """A job's (or project's) own limit refuses the request, not the fleet's room.
+
+    ``retry_after``: seconds after which the same request may pass (None: only once the
+    job's sandboxes are destroyed). The HTTP layer sends it as ``Retry-After``."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class SandboxError(CorralError):
     status = 502
 
@@ -131,6 +146,7 @@ KINDS: dict[str, type[CorralError]] = {
         ProcessNotFound,
         Conflict,
         CapacityError,
+        QuotaExceeded,
         SandboxError,
         BuildError,
         LayerCorrupt,
