@@ -8,6 +8,7 @@
 Ray (the optional extra ``corral[cluster]``) only hosts these; nothing here imports it.
 """
 
+from corral.cluster.fleet import CLUSTER_ID, FleetClient
 from corral.cluster.placement import (
     NODE_LABEL_PREFIX,
     NodeReport,
@@ -17,6 +18,8 @@ from corral.cluster.placement import (
 )
 
 __all__ = [
+    "CLUSTER_ID",
+    "FleetClient",
     "NODE_LABEL_PREFIX",
     "NodeReport",
     "PlacementPolicy",
