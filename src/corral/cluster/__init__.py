@@ -9,6 +9,7 @@ Ray (the optional extra ``corral[cluster]``) only hosts these; nothing here impo
 """
 
 from corral.cluster.fleet import CLUSTER_ID, FleetClient
+from corral.cluster.jobs import JOB_LABEL, Job, JobLimits, JobManager, JobNotFound, TokenBucket
 from corral.cluster.placement import (
     NODE_LABEL_PREFIX,
     NodeReport,
@@ -20,6 +21,12 @@ from corral.cluster.placement import (
 __all__ = [
     "CLUSTER_ID",
     "FleetClient",
+    "JOB_LABEL",
+    "Job",
+    "JobLimits",
+    "JobManager",
+    "JobNotFound",
+    "TokenBucket",
     "NODE_LABEL_PREFIX",
     "NodeReport",
     "PlacementPolicy",
