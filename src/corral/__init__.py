@@ -17,6 +17,7 @@ import importlib.metadata as _metadata
 from corral.errors import (
     BuildError,
     CapacityError,
+    QuotaExceeded,
     Conflict,
     CorralError,
     HostError,
@@ -100,6 +101,7 @@ __all__ = [
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
+    "QuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

@@ -153,3 +153,29 @@ async def test_node_refusal_is_replaced_on_another_node() -> None:
     got = [await fleet.sandbox_create(SPEC) for _ in range(20)]
     assert {i.node_id for i in got} <= {"n1", "n2"}
     assert len(await nodes[0].sandbox_list()) == 1
+
+
+def test_cluster_room_imports_no_ray() -> None:
+    import subprocess
+    import sys
+
+    code = "import corral, corral.cluster, sys; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+async def test_quota_error_is_429_with_retry_after_over_http() -> None:
+    import httpx
+
+    from corral.api.app import create_app
+    from corral.errors import QuotaExceeded
+
+    class Quota(FakeNode):
+        async def sandbox_create(self, spec: SandboxSpec) -> object:  # type: ignore[override]
+            raise QuotaExceeded("job 'j' is over its rate", retry_after=2.5)
+
+    app = create_app(Quota("q1"), token=None)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        r = await c.post("/v1/sandboxes", json={"image": "demo/base"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    assert r.json()["error"]["kind"] == "QuotaExceeded"

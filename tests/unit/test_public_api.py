@@ -46,6 +46,7 @@ PUBLIC = {
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
+    "QuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
