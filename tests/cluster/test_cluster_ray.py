@@ -1,0 +1,96 @@
+"""The cluster on a real local Ray cluster with three real corral nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import corral
+from corral.cluster.ray_client import RayOps
+from corral.errors import InvalidRequest, QuotaExceeded
+from corral.spec import ExecRequest, SandboxSpec
+from tests.cluster.conftest import RayCorral
+
+IMAGE = "test/busybox"
+
+
+async def _until(what: str, check: object, deadline: float = 30.0) -> float:
+    """Poll ``check()`` (async, truthy when done) until it holds; the seconds it took."""
+    t0 = time.monotonic()
+    while not await check():  # type: ignore[operator]
+        if time.monotonic() - t0 > deadline:
+            raise AssertionError(f"{what}: not within {deadline} s")
+        await asyncio.sleep(0.2)
+    return time.monotonic() - t0
+
+
+async def test_placement_routing_groups_and_job_pause(raycorral: RayCorral) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps) and len(ops.node_ids()) == 3
+        async with client.jobs.open("rl-t1", max_sandboxes=6, max_creates_per_s=50) as job:
+            group = await job.create_group(6, IMAGE)
+            assert len({sb.info.node_id for sb in group}) >= 2  # spread over nodes
+            for sb in group:
+                r = await sb.exec(["sh", "-c", "echo $((6*7))"])
+                assert r.stdout == b"42\n"
+            with pytest.raises(QuotaExceeded, match="over by 1"):
+                await job.create(IMAGE)
+            paused = await job.pause()
+            assert len(paused) == 6 and {i.state for i in paused} == {"paused"}
+            assert len(await job.resume()) == 6
+        # a clean exit closed the job: its sandboxes are gone on every node
+        assert await client.sandboxes.list(labels={"corral.job": "rl-t1"}) == []
+
+
+async def test_group_all_or_nothing_with_a_failing_node(raycorral: RayCorral) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        # node c2 does not know the permission "pkgs": creates placed there fail
+        async with client.jobs.open("rl-t2", max_sandboxes=30, max_creates_per_s=100) as job:
+            # 24 spread by load over 3 nodes: some land on c2 (and fail), some elsewhere
+            with pytest.raises(InvalidRequest, match=r"[1-9][0-9]* made and destroyed again"):
+                await job.create_group(24, IMAGE, network={"allow": ["pkgs"]})
+            assert await job.sandboxes() == []
+            group = await job.create_group(9, IMAGE)
+            assert len(group) == 9
+
+
+async def test_node_loss_reported_and_recovered(raycorral: RayCorral) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps)
+        made = [await ops.sandbox_create(SandboxSpec(image=IMAGE)) for _ in range(6)]
+        by_node = {i.node_id for i in made}
+        victim = raycorral.agents["c2"]
+        info = await victim.info.remote()
+        mine = [i for i in made if i.node_id == info["node_id"]]
+        assert mine, by_node
+        t0 = time.monotonic()
+        raycorral.kill_agent("c2")
+
+        async def lost() -> bool:
+            return info["node_id"] in ops.lost_nodes()
+
+        await _until("node reported lost", lost)
+        took = time.monotonic() - t0
+        print(f"node loss reported after {took:.1f} s")
+        got = await ops.sandbox_get(mine[0].id)
+        assert got.state == "lost"
+        for _ in range(4):
+            assert (await ops.sandbox_create(SandboxSpec(image=IMAGE))).node_id != info["node_id"]
+        # the agent comes back on its host: the node reconciles, its sandboxes survive
+        again = await asyncio.to_thread(raycorral.start_agent, "c2")
+        assert again["node_id"] == info["node_id"]
+
+        async def back() -> bool:
+            return info["node_id"] not in ops.lost_nodes()
+
+        await _until("node back", back)
+        got = await ops.sandbox_get(mine[0].id)
+        assert got.state == "running"
+        r = await ops.exec(mine[0].id, ExecRequest(cmd=["echo", "alive"]))
+        assert r.stdout == b"alive\n"
+        for i in await ops.sandbox_list():
+            await ops.sandbox_destroy(i.id)
