@@ -9,7 +9,7 @@ import pytest
 
 import corral
 from corral.cluster.ray_client import RayOps
-from corral.errors import InvalidRequest, QuotaExceeded
+from corral.errors import Conflict, InvalidRequest, QuotaExceeded
 from corral.spec import ExecRequest, SandboxSpec
 from tests.cluster.conftest import RayCorral
 
@@ -57,6 +57,7 @@ async def test_group_all_or_nothing_with_a_failing_node(raycorral: RayCorral) ->
             assert len(group) == 9
 
 
+@pytest.mark.heavy
 async def test_node_loss_reported_and_recovered(raycorral: RayCorral) -> None:
     async with corral.AsyncClient("ray://auto") as client:
         ops = client._ops
@@ -94,3 +95,71 @@ async def test_node_loss_reported_and_recovered(raycorral: RayCorral) -> None:
         assert r.stdout == b"alive\n"
         for i in await ops.sandbox_list():
             await ops.sandbox_destroy(i.id)
+
+
+_TRAINER = r"""
+import asyncio, json, sys
+import ray
+import corral
+
+async def main():
+    ray.init(address=sys.argv[1], namespace="corral", log_to_driver=False)
+    async with corral.AsyncClient("ray://auto") as client:
+        job = client.jobs.open("rl-kill", max_sandboxes=8, lease_ttl=3, grace=4)
+        await job.__aenter__()
+        group = await job.create_group(3, "test/busybox")
+        print(json.dumps([sb.id for sb in group]), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.heavy
+async def test_lease_expiry_after_client_sigkill(raycorral: RayCorral) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, raycorral.cluster.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        ids = json.loads(line)
+        assert len(ids) == 3
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer dies without a word
+        await asyncio.to_thread(proc.wait)
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps)
+
+        async def states() -> set[str]:
+            return {(await ops.sandbox_get(i)).state for i in ids}
+
+        async def paused() -> bool:
+            return await states() == {"paused"}
+
+        async def gone() -> bool:
+            return await client.sandboxes.list(labels={"corral.job": "rl-kill"}) == []
+
+        await _until("job paused after the lease lapsed", paused)
+        await _until("orphans destroyed after the grace", gone)
+        events = [e for e in await client.jobs.events() if e.detail.get("job") == "rl-kill"]
+        assert [(e.kind, e.detail.get("count")) for e in events] == [
+            ("lease_expired", 3),
+            ("orphans", 3),
+        ]
+        state = await client.jobs.state("rl-kill")
+        assert state["state"] == "reaped" and state["orphans"] == 3
+        with pytest.raises(Conflict, match="destroyed"):
+            async with client.jobs.attach("rl-kill"):
+                pass
