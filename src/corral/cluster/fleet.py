@@ -105,11 +105,17 @@ class FleetClient(NodeOps):
         self._rr = itertools.count()
 
     # ------------------------------------------------------------------ membership
-    def add_node(self, node_id: str, ops: NodeOps) -> None:
-        """A node joined (or came back under a new client)."""
+    def add_node(self, node_id: str, ops: NodeOps) -> NodeOps | None:
+        """A node joined, or came back under a new address: returns the NodeOps it
+        replaces (the caller closes it), None for a new node."""
         if not NODE_ID_RE.fullmatch(node_id):
             raise InvalidRequest(f"node id {node_id[:40]!r} must be 1-16 of [0-9a-z]")
-        self._members[node_id] = _Member(ops, self._clock())
+        old = self._members.get(node_id)
+        m = self._members[node_id] = _Member(ops, self._clock())
+        if old is None:
+            return None
+        m.known, m.draining = old.known, old.draining  # what it ran, and the operator's word
+        return old.ops
 
     def drain(self, node_id: str, on: bool = True) -> None:
         """Place nothing more on the node (its sandboxes keep running)."""

@@ -169,7 +169,11 @@ class ControlPlane:
             if not info or self._agents.get(name) == info:
                 continue
             self._agents[name] = info
-            self._fleet.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
+            old = self._fleet.add_node(
+                info["node_id"], HTTPOps(info["address"], token=info["token"])
+            )
+            if old is not None:
+                await old.close()
         return list(self._agents.values())
 
     def nodes(self) -> list[dict[str, str]]:

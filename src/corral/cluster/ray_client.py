@@ -98,7 +98,9 @@ class RayOps(FleetClient):
         for info in await self._control.discover.remote():
             if self._addresses.get(info["node_id"]) != info["address"]:
                 self._addresses[info["node_id"]] = info["address"]
-                self.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
+                old = self.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
+                if old is not None:
+                    await old.close()
 
     async def _run(self) -> None:
         rounds = 0
