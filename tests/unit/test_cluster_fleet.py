@@ -179,3 +179,23 @@ async def test_quota_error_is_429_with_retry_after_over_http() -> None:
         r = await c.post("/v1/sandboxes", json={"image": "demo/base"})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["kind"] == "QuotaExceeded"
+
+
+async def test_bursting_to_the_cloud_pool_above_80_percent() -> None:
+    onprem = [FakeNode(f"p{i}", max_sandboxes=10, labels={"pool": "onprem"}) for i in range(2)]
+    cloud = FakeNode("c1", max_sandboxes=100, labels={"pool": "cloud"})
+    fleet = FleetClient({n.node_id: n for n in [*onprem, cloud]}, seed=5)
+    await fleet.refresh()
+    first = [await fleet.sandbox_create(SPEC) for _ in range(16)]
+    assert {i.node_id for i in first} <= {"p0", "p1"}  # below 80%: on-prem only
+    assert fleet.placer.bursting()
+    # an image the cloud store lacks stays on-prem even now
+    await cloud.image_remove("demo/python")
+    py = await fleet.sandbox_create(SandboxSpec(image="demo/python"))
+    assert py.node_id in {"p0", "p1"}
+    later = [await fleet.sandbox_create(SPEC) for _ in range(10)]
+    assert {i.node_id for i in later} == {"c1"}
+    # a spec may ask for a pool itself; and the group room counts the cloud
+    pinned = SandboxSpec(image="demo/base", labels={"corral.node/pool": "onprem"})
+    assert (await fleet.sandbox_create(pinned)).node_id in {"p0", "p1"}
+    assert fleet.placer.free_slots() == (20 - 18) + (100 - 10)

@@ -153,3 +153,19 @@ async def test_bounded_retries_and_ambiguous_errors_not_retried() -> None:
         await place_and_create(p2, SPEC, cut, lambda: 1.0)
     assert len(calls) == 1  # may have been made: never tried on another node
     assert p2.expected(calls[0]) == 0  # the overlay was undone
+
+
+def test_burst_only_eligible_container_work_above_threshold() -> None:
+    vm = frozenset({"container", "microvm"})
+    p = _placer(
+        NodeReport(node_id="op", max_sandboxes=10, sandboxes=8, backends=vm),
+        NodeReport(node_id="cl", max_sandboxes=10, labels={"pool": "cloud"}, backends=vm),
+    )
+    assert p.onprem_fill() == 0.8 and p.bursting()
+    assert p.place(SPEC, 1.0) == "op"  # not eligible (image not in the cloud store)
+    assert p.place(SPEC, 1.0, may_burst=True) == "cl"
+    assert p.place(SandboxSpec(image="x", backend="microvm"), 1.0, may_burst=True) == "op"
+    # the cloud full: eligible work falls back on-prem rather than failing
+    p.report(NodeReport(node_id="cl", max_sandboxes=1, sandboxes=1, labels={"pool": "cloud"}), 2.0)
+    p.report(NodeReport(node_id="op", max_sandboxes=10, sandboxes=8, backends=vm), 2.0)
+    assert p.place(SPEC, 2.0, may_burst=True) == "op"

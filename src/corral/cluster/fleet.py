@@ -103,6 +103,7 @@ class FleetClient(NodeOps):
         self._status_timeout = status_timeout
         self._clock = clock
         self._rr = itertools.count()
+        self._in_cloud: dict[str, tuple[float, bool]] = {}  # image -> (checked at, present)
 
     # ------------------------------------------------------------------ membership
     def add_node(self, node_id: str, ops: NodeOps) -> NodeOps | None:
@@ -224,8 +225,35 @@ class FleetClient(NodeOps):
         async def create(nid: str, s: SandboxSpec) -> SandboxInfo:
             return await self._members[nid].ops.sandbox_create(s)
 
-        info = await place_and_create(self.placer, spec, create, self._clock)
+        may_burst = self.placer.bursting() and await self._in_cloud_store(spec.image)
+        info = await place_and_create(self.placer, spec, create, self._clock, may_burst=may_burst)
         return self._remember([info])[0]
+
+    async def _in_cloud_store(self, image: str) -> bool:
+        """Whether the cloud pool's store has ``image`` (asked of one live cloud node,
+        remembered for 30 s): only such creates may burst, so a cloud node never has to
+        pull an image's layers in the middle of a burst."""
+        now = self._clock()
+        hit = self._in_cloud.get(image)
+        if hit is not None and now - hit[0] < 30.0:
+            return hit[1]
+        pol = self.placer.policy
+        cloud = [
+            m
+            for _, m in self._live()
+            if m.status is not None and m.status.labels.get(pol.pool_label) == pol.cloud_pool
+        ]
+        present = False
+        if cloud:
+            try:
+                await cloud[0].ops.image_get(image)
+                present = True
+            except ImageNotFound:
+                present = False
+            except CorralError:
+                return False  # unknown this time: do not burst, do not remember
+        self._in_cloud[image] = (now, present)
+        return present
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
         try:

@@ -118,6 +118,14 @@ class PlacementPolicy:
     """How much the host's load per CPU counts next to its sandbox fill (0..1 each)."""
     retries: int = 3
     """Re-placements after node refusals before the request fails."""
+    burst_at: float = 0.8
+    """On-prem fill (sandboxes expected / capacity, over on-prem nodes) from which creates
+    that may burst go to the cloud pool."""
+    pool_label: str = "pool"
+    """Node label naming its pool; nodes without it count as on-prem."""
+    cloud_pool: str = "cloud"
+    """The value of ``pool_label`` that marks cloud nodes: they get only bursts (and specs
+    that ask for that pool by a ``corral.node/pool`` constraint)."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -157,11 +165,18 @@ class Placer:
         self._rng = random.Random(seed)
         # candidates per (backend, node-label constraints), rebuilt on the next decision
         # after any report changes what a node is or has
-        self._eligible: dict[tuple[str | None, tuple[tuple[str, str], ...]], list[_NodeView]] = {}
+        self._eligible: dict[
+            tuple[str | None, tuple[tuple[str, str], ...], bool], list[_NodeView]
+        ] = {}
+        # on-prem fill, recounted after reports change it, kept up by own placements between
+        self._onprem_dirty = True
+        self._onprem_cap = 0
+        self._onprem_used = 0
 
     # ------------------------------------------------------------------ reports
     def report(self, rep: NodeReport, now: float) -> None:
         """A node's fresh report, taken at ``now``: placements made before it are in it."""
+        self._onprem_dirty = True
         view = self._nodes.get(rep.node_id)
         if view is None:
             self._nodes[rep.node_id] = _NodeView(rep, now)
@@ -184,6 +199,7 @@ class Placer:
         """Drop a node (it left the cluster)."""
         if self._nodes.pop(node_id, None) is not None:
             self._eligible.clear()
+            self._onprem_dirty = True
 
     def nodes(self) -> list[NodeReport]:
         return [v.report for v in self._nodes.values()]
@@ -192,18 +208,56 @@ class Placer:
         """Sandboxes the node is expected to hold: its report plus this placer's overlay."""
         return self._nodes[node_id].expected()
 
+    def onprem_fill(self) -> float:
+        """Expected sandboxes / capacity over the live on-prem nodes (1.0 when none)."""
+        if self._onprem_dirty:
+            pol, cap, used = self.policy, 0, 0
+            for v in self._nodes.values():
+                if self._is_onprem(v) and not v.report.lost and not v.report.draining:
+                    cap += v.capacity(pol)
+                    used += v.expected()
+            self._onprem_cap, self._onprem_used, self._onprem_dirty = cap, used, False
+        return self._onprem_used / self._onprem_cap if self._onprem_cap else 1.0
+
+    def bursting(self) -> bool:
+        """Whether on-prem fill has reached ``burst_at`` (eligible creates go to the cloud)."""
+        return self.onprem_fill() >= self.policy.burst_at
+
+    def _is_onprem(self, v: _NodeView) -> bool:
+        return v.report.labels.get(self.policy.pool_label) != self.policy.cloud_pool
+
     def free_slots(self, spec: SandboxSpec | None = None) -> int:
         """Sandboxes the eligible nodes can still take, as far as this placer knows."""
-        cands = self._candidates(spec or SandboxSpec(image="-"))
-        return sum(max(0, v.capacity(self.policy) - v.expected()) for v in cands if not v.full)
+        spec = spec or SandboxSpec(image="-")
+        cands = self._candidates(spec) + self._candidates(spec, cloud=True)
+        return sum(max(0, v.capacity(self.policy) - v.expected()) for v in set(cands) if not v.full)
 
     # ------------------------------------------------------------------ decisions
-    def place(self, spec: SandboxSpec, now: float, exclude: Iterable[str] = ()) -> str:
+    def place(
+        self,
+        spec: SandboxSpec,
+        now: float,
+        exclude: Iterable[str] = (),
+        *,
+        may_burst: bool = False,
+    ) -> str:
         """The node for ``spec``; the placement is overlaid on it at once.
 
         CapacityError (naming why) when no node can take it; ``exclude``: nodes already
-        tried for this request."""
-        cands = self._candidates(spec)
+        tried for this request. ``may_burst``: the spec's image is in the cloud pool's
+        store; container work then goes to the cloud pool once on-prem fill reaches
+        ``burst_at`` (and back on-prem if the cloud has no room). VM work never bursts."""
+        cloud = may_burst and spec.backend in (None, "container") and self.bursting()
+        if cloud:
+            try:
+                return self._place(self._candidates(spec, cloud=True), spec, now, exclude)
+            except CapacityError:
+                pass
+        return self._place(self._candidates(spec), spec, now, exclude)
+
+    def _place(
+        self, cands: list[_NodeView], spec: SandboxSpec, now: float, exclude: Iterable[str]
+    ) -> str:
         if not cands:
             raise CapacityError(self._why_none(spec))
         skip = set(exclude)
@@ -233,6 +287,8 @@ class Placer:
         if best is None:
             raise CapacityError(self._why_full(len(cands), skip))
         best.overlay.append(now)
+        if not self._onprem_dirty and self._is_onprem(best):
+            self._onprem_used += 1
         return best.report.node_id
 
     def refused(self, node_id: str) -> None:
@@ -243,12 +299,14 @@ class Placer:
             if v.overlay:
                 v.overlay.pop()
             v.full = True
+            self._onprem_dirty = True
 
     def failed(self, node_id: str) -> None:
         """A placement on the node did not produce a sandbox (a bad request): undo it."""
         v = self._nodes.get(node_id)
         if v is not None and v.overlay:
             v.overlay.pop()
+            self._onprem_dirty = True
 
     # ------------------------------------------------------------------ helpers
     def _room(self, v: _NodeView) -> bool:
@@ -260,7 +318,9 @@ class Placer:
             and rep.scratch_free - extra * pol.sandbox_scratch < pol.min_scratch_free
         )
 
-    def _candidates(self, spec: SandboxSpec) -> list[_NodeView]:
+    def _candidates(self, spec: SandboxSpec, cloud: bool = False) -> list[_NodeView]:
+        """Nodes that fit ``spec``: the cloud pool's with ``cloud``; else, unless the spec
+        names a pool itself, the on-prem ones."""
         need = tuple(
             sorted(
                 (k[len(NODE_LABEL_PREFIX) :], val)
@@ -268,10 +328,17 @@ class Placer:
                 if k.startswith(NODE_LABEL_PREFIX)
             )
         )
-        key = (spec.backend, need)
+        key = (spec.backend, need, cloud)
         got = self._eligible.get(key)
         if got is None:
-            got = [v for v in self._nodes.values() if _fits(v.report, spec.backend, need)]
+            pol = self.policy
+            names_pool = any(k == pol.pool_label for k, _ in need)
+            got = [
+                v
+                for v in self._nodes.values()
+                if _fits(v.report, spec.backend, need)
+                and (names_pool or self._is_onprem(v) != cloud)
+            ]
             self._eligible[key] = got
         return got
 
@@ -308,6 +375,8 @@ async def place_and_create(
     spec: SandboxSpec,
     create: Callable[[str, SandboxSpec], Awaitable[SandboxInfo]],
     clock: Callable[[], float],
+    *,
+    may_burst: bool = False,
 ) -> SandboxInfo:
     """Place ``spec`` and ask the chosen node to create it; on a refusal (CapacityError
     from the node) place it elsewhere, at most ``policy.retries`` more times.
@@ -318,7 +387,7 @@ async def place_and_create(
     last: CapacityError | None = None
     for _ in range(placer.policy.retries + 1):
         try:
-            node = placer.place(spec, clock(), exclude=tried)
+            node = placer.place(spec, clock(), exclude=tried, may_burst=may_burst)
         except CapacityError as exc:
             if last is None:
                 raise
