@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from corral.cli.app import app
-from tests.cluster.conftest import RayCorral
+from corral.cluster.local import LocalRayCluster
 
 
 def _run(*args: str) -> str:
@@ -16,7 +16,7 @@ def _run(*args: str) -> str:
     return r.stdout
 
 
-def test_nodes_status_drain_and_sandbox_ls(raycorral: RayCorral) -> None:
+def test_nodes_status_drain_and_sandbox_ls(raycorral: LocalRayCluster) -> None:
     rows = json.loads(_run("cluster", "nodes", "--json"))
     assert len(rows) == 3 and {r["state"] for r in rows} == {"up"}
     assert {r["labels"]["host"] for r in rows} == {"c0", "c1", "c2"}
@@ -48,7 +48,9 @@ def test_nodes_status_drain_and_sandbox_ls(raycorral: RayCorral) -> None:
         _run("--node", "ray://auto", "sandbox", "rm", sb["id"])
 
 
-def test_up_names_the_missing_resource_and_reuses_a_running_agent(raycorral: RayCorral) -> None:
+def test_up_names_the_missing_resource_and_reuses_a_running_agent(
+    raycorral: LocalRayCluster,
+) -> None:
     r = CliRunner().invoke(app, ["cluster", "up", "--host", "c9"])
     assert r.exit_code != 0 and "corral-node-c9" in r.output
     assert "of host c1 serves http://" in _run("cluster", "up", "--host", "c1")

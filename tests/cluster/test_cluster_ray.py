@@ -11,7 +11,7 @@ import corral
 from corral.cluster.ray_client import RayOps
 from corral.errors import Conflict, InvalidRequest, QuotaExceeded
 from corral.spec import ExecRequest, SandboxSpec
-from tests.cluster.conftest import RayCorral
+from corral.cluster.local import LocalRayCluster
 
 IMAGE = "test/busybox"
 
@@ -26,7 +26,7 @@ async def _until(what: str, check: object, deadline: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
-async def test_placement_routing_groups_and_job_pause(raycorral: RayCorral) -> None:
+async def test_placement_routing_groups_and_job_pause(raycorral: LocalRayCluster) -> None:
     async with corral.AsyncClient("ray://auto") as client:
         ops = client._ops
         assert isinstance(ops, RayOps) and len(ops.node_ids()) == 3
@@ -45,7 +45,7 @@ async def test_placement_routing_groups_and_job_pause(raycorral: RayCorral) -> N
         assert await client.sandboxes.list(labels={"corral.job": "rl-t1"}) == []
 
 
-async def test_group_all_or_nothing_with_a_failing_node(raycorral: RayCorral) -> None:
+async def test_group_all_or_nothing_with_a_failing_node(raycorral: LocalRayCluster) -> None:
     async with corral.AsyncClient("ray://auto") as client:
         # node c2 does not know the permission "pkgs": creates placed there fail
         async with client.jobs.open("rl-t2", max_sandboxes=30, max_creates_per_s=100) as job:
@@ -58,7 +58,7 @@ async def test_group_all_or_nothing_with_a_failing_node(raycorral: RayCorral) ->
 
 
 @pytest.mark.heavy
-async def test_node_loss_reported_and_recovered(raycorral: RayCorral) -> None:
+async def test_node_loss_reported_and_recovered(raycorral: LocalRayCluster) -> None:
     async with corral.AsyncClient("ray://auto") as client:
         ops = client._ops
         assert isinstance(ops, RayOps)
@@ -116,7 +116,7 @@ asyncio.run(main())
 
 
 @pytest.mark.heavy
-async def test_lease_expiry_after_client_sigkill(raycorral: RayCorral) -> None:
+async def test_lease_expiry_after_client_sigkill(raycorral: LocalRayCluster) -> None:
     import json
     import os
     import signal
@@ -124,7 +124,7 @@ async def test_lease_expiry_after_client_sigkill(raycorral: RayCorral) -> None:
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAINER, raycorral.cluster.address],
+        [sys.executable, "-c", _TRAINER, raycorral.address],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

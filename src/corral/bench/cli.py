@@ -11,6 +11,7 @@ Example::
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
     corral bench placement --nodes 160 --sandboxes 32768 --json
+    corral bench cluster --nodes 3 --count 300 --json
 """
 
 from __future__ import annotations
@@ -120,6 +121,21 @@ def network_cmd(
     from corral.spec import parse_bytes
 
     return network(opts, count, updates, rounds, parse_bytes(size))
+
+
+@scenario(app, "cluster", image="busybox")
+def cluster_cmd(
+    opts: BenchOptions,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, max=8, help="Local Ray nodes.")] = 3,
+    count: Count = 300,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """The same creates and execs through the cluster client (Ray, placement) and straight
+    at one node, in one run; node-loss detection time and orphans left after a lease lapses.
+    Needs corral[cluster]."""
+    from corral.bench.cluster import cluster
+
+    return cluster(opts, nodes, count, concurrency)
 
 
 @app.command("placement")
