@@ -63,8 +63,7 @@ def node_config(i: int) -> NodeConfig:
 @pytest.fixture(scope="session")
 def raycorral() -> Iterator[LocalRayCluster]:
     from corral.cluster.local import LocalRayCluster
-    from corral.host import leaks
-    from tests.integration.conftest import _ensure_images
+    from tests.integration.conftest import _ensure_images, assert_no_leaks
 
     _ensure_images()
     for i in range(NODES):
@@ -74,7 +73,6 @@ def raycorral() -> Iterator[LocalRayCluster]:
         yield lc
     for i in range(NODES):
         state, run, subtree = node_dirs(i)
-        found = leaks.scan(state, run, subtree, netns_prefix=subtree)
-        assert leaks.total(found) == 0, {k: v for k, v in found.items() if v}
+        assert_no_leaks(state, run, subtree)  # retried: loop devices go asynchronously
         for d in (state, run):
             shutil.rmtree(d, ignore_errors=True)

@@ -31,13 +31,13 @@ async def test_placement_routing_groups_and_job_pause(raycorral: LocalRayCluster
         ops = client._ops
         assert isinstance(ops, RayOps) and len(ops.node_ids()) == 3
         async with client.jobs.open("rl-t1", max_sandboxes=6, max_creates_per_s=50) as job:
-            group = await job.create_group(6, IMAGE)
+            group = await job.create_group(6, IMAGE, qos="latency")
             assert len({sb.info.node_id for sb in group}) >= 2  # spread over nodes
             for sb in group:
                 r = await sb.exec(["sh", "-c", "echo $((6*7))"])
                 assert r.stdout == b"42\n"
             with pytest.raises(QuotaExceeded, match="over by 1"):
-                await job.create(IMAGE)
+                await job.create(IMAGE, qos="latency")
             paused = await job.pause()
             assert len(paused) == 6 and {i.state for i in paused} == {"paused"}
             assert len(await job.resume()) == 6
@@ -51,9 +51,9 @@ async def test_group_all_or_nothing_with_a_failing_node(raycorral: LocalRayClust
         async with client.jobs.open("rl-t2", max_sandboxes=30, max_creates_per_s=100) as job:
             # 24 spread by load over 3 nodes: some land on c2 (and fail), some elsewhere
             with pytest.raises(InvalidRequest, match=r"[1-9][0-9]* made and destroyed again"):
-                await job.create_group(24, IMAGE, network={"allow": ["pkgs"]})
+                await job.create_group(24, IMAGE, qos="latency", network={"allow": ["pkgs"]})
             assert await job.sandboxes() == []
-            group = await job.create_group(9, IMAGE)
+            group = await job.create_group(9, IMAGE, qos="latency")
             assert len(group) == 9
 
 
@@ -62,7 +62,11 @@ async def test_node_loss_reported_and_recovered(raycorral: LocalRayCluster) -> N
     async with corral.AsyncClient("ray://auto") as client:
         ops = client._ops
         assert isinstance(ops, RayOps)
-        made = [await ops.sandbox_create(SandboxSpec(image=IMAGE)) for _ in range(6)]
+        on_c2 = SandboxSpec(image=IMAGE, qos="latency", labels={"corral.node/host": "c2"})
+        made = [await ops.sandbox_create(on_c2) for _ in range(3)]
+        made += [
+            await ops.sandbox_create(SandboxSpec(image=IMAGE, qos="latency")) for _ in range(3)
+        ]
         by_node = {i.node_id for i in made}
         victim = raycorral.agents["c2"]
         info = await victim.info.remote()
@@ -80,7 +84,9 @@ async def test_node_loss_reported_and_recovered(raycorral: LocalRayCluster) -> N
         got = await ops.sandbox_get(mine[0].id)
         assert got.state == "lost"
         for _ in range(4):
-            assert (await ops.sandbox_create(SandboxSpec(image=IMAGE))).node_id != info["node_id"]
+            assert (
+                await ops.sandbox_create(SandboxSpec(image=IMAGE, qos="latency"))
+            ).node_id != info["node_id"]
         # the agent comes back on its host: the node reconciles, its sandboxes survive
         again = await asyncio.to_thread(raycorral.start_agent, "c2")
         assert again["node_id"] == info["node_id"]
@@ -107,7 +113,7 @@ async def main():
     async with corral.AsyncClient("ray://auto") as client:
         job = client.jobs.open("rl-kill", max_sandboxes=8, lease_ttl=3, grace=4)
         await job.__aenter__()
-        group = await job.create_group(3, "test/busybox")
+        group = await job.create_group(3, "test/busybox", qos="latency")
         print(json.dumps([sb.id for sb in group]), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -163,3 +169,27 @@ async def test_lease_expiry_after_client_sigkill(raycorral: LocalRayCluster) -> 
         with pytest.raises(Conflict, match="destroyed"):
             async with client.jobs.attach("rl-kill"):
                 pass
+
+
+@pytest.mark.heavy
+async def test_control_plane_restart_rebuilds_nodes_and_jobs(raycorral: LocalRayCluster) -> None:
+    import ray
+
+    from corral.cluster.ray_actors import CONTROL_NAME, NAMESPACE
+
+    async with corral.AsyncClient("ray://auto") as client:
+        async with client.jobs.open("rl-cp", max_sandboxes=3, lease_ttl=30) as job:
+            await job.create_group(2, IMAGE, qos="latency")
+            ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE), no_restart=False)
+
+            async def rebuilt() -> bool:
+                try:
+                    st = await client.jobs.state("rl-cp")
+                except Exception:
+                    return False
+                return bool(st["live"] == 2)
+
+            await _until("job rebuilt by the restarted control plane", rebuilt)
+            with pytest.raises(QuotaExceeded, match="max_sandboxes 3"):
+                await job.create_group(2, IMAGE, qos="latency")
+            assert len(await job.sandboxes()) == 2

@@ -199,3 +199,26 @@ async def test_bursting_to_the_cloud_pool_above_80_percent() -> None:
     pinned = SandboxSpec(image="demo/base", labels={"corral.node/pool": "onprem"})
     assert (await fleet.sandbox_create(pinned)).node_id in {"p0", "p1"}
     assert fleet.placer.free_slots() == (20 - 18) + (100 - 10)
+
+
+async def test_unreachable_node_is_replaced_but_ambiguous_errors_are_not() -> None:
+    import httpx
+
+    class Down(FakeNode):
+        calls = 0
+        cause: Exception = httpx.ConnectError("refused")
+
+        async def sandbox_create(self, spec: SandboxSpec) -> object:  # type: ignore[override]
+            self.calls += 1
+            raise TransportError("cannot reach the node") from self.cause
+
+    down = Down("d1")
+    fleet = FleetClient({"d1": down, "ok": FakeNode("ok")}, seed=2)
+    await fleet.refresh()
+    got = [await fleet.sandbox_create(SPEC) for _ in range(6)]
+    assert {i.node_id for i in got} == {"ok"} and down.calls == 1  # then marked full
+    down.cause = httpx.ReadTimeout("no answer")  # the node may have made it: never retried
+    await fleet.refresh()
+    with pytest.raises(TransportError):
+        for _ in range(20):
+            await fleet.sandbox_create(SPEC)

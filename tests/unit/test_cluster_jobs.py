@@ -187,3 +187,25 @@ async def test_refresh_rebuilds_live_set_and_job_pause_spans_nodes() -> None:
 
 async def _count(nodes: list[FakeNode]) -> int:
     return sum([len(await n.sandbox_list()) for n in nodes])
+
+
+async def test_restarted_control_plane_rebuilds_jobs_and_still_reaps() -> None:
+    clock = Clock()
+    jobs, fleet, nodes = await _jobs(clock)
+    lim = JobLimits(max_sandboxes=5, max_creates_per_s=50, lease_ttl=10, grace=20)
+    job = await jobs.open("rl-9", lim)
+    await jobs.create_group(job, 4, SPEC)
+    # the control plane dies with its soft state; a new one asks the nodes
+    jobs2 = JobManager(fleet, clock=clock, sleep=clock.sleep)
+    assert await jobs2.rebuild() == ["rl-9"]
+    again = jobs2.get("rl-9")
+    assert again.limits == lim and len(again.live) == 4
+    with pytest.raises(QuotaExceeded, match="over by 1"):
+        await jobs2.create_group(again, 2, SPEC)
+    clock.t += 11
+    await jobs2.tick()
+    clock.t += 21
+    await jobs2.tick()
+    assert await _count(nodes) == 0 and again.orphans == 4
+    kinds = [e.kind for e in jobs2.events()]
+    assert kinds == ["job_rebuilt", "lease_expired", "orphans"]

@@ -30,6 +30,7 @@ from typing import Any
 
 from corral.cluster.placement import NodeReport, PlacementPolicy, Placer, place_and_create
 from corral.errors import (
+    CapacityError,
     CorralError,
     ImageNotFound,
     InvalidRequest,
@@ -223,7 +224,14 @@ class FleetClient(NodeOps):
     # ------------------------------------------------------------------ lifecycle
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         async def create(nid: str, s: SandboxSpec) -> SandboxInfo:
-            return await self._members[nid].ops.sandbox_create(s)
+            try:
+                return await self._members[nid].ops.sandbox_create(s)
+            except TransportError as exc:
+                if _never_sent(exc):
+                    # the node could not even be connected to: nothing was made there, so
+                    # this is a refusal (re-placed elsewhere), not an ambiguous failure
+                    raise CapacityError(f"node {nid} is unreachable: {exc.message}") from exc
+                raise
 
         may_burst = self.placer.bursting() and await self._in_cloud_store(spec.image)
         info = await place_and_create(self.placer, spec, create, self._clock, may_burst=may_burst)
@@ -556,6 +564,14 @@ class FleetClient(NodeOps):
         await asyncio.gather(
             *(m.ops.close() for m in self._members.values()), return_exceptions=True
         )
+
+
+def _never_sent(exc: TransportError) -> bool:
+    """Whether a transport error certainly happened before the request reached the node
+    (connection refused, no route): then the node did nothing."""
+    import httpx
+
+    return isinstance(exc.__cause__, httpx.ConnectError)
 
 
 async def _one(coro: Awaitable[Any]) -> list[Any]:

@@ -53,6 +53,7 @@ from corral.spec import Event, SandboxInfo, SandboxSpec
 
 __all__ = [
     "JOB_LABEL",
+    "LIMITS_LABEL",
     "JobLimits",
     "Job",
     "JobManager",
@@ -62,6 +63,9 @@ __all__ = [
 
 JOB_LABEL = "corral.job"
 """The label that ties a sandbox to its job."""
+LIMITS_LABEL = "corral.job.limits"
+"""The job's limits, carried by each of its sandboxes (``max=..,rate=..,burst=..,ttl=..,
+grace=..``), so a restarted control plane rebuilds the job from the nodes alone."""
 _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 Clock = Callable[[], float]
@@ -86,6 +90,27 @@ class JobLimits:
     """Seconds a lease lasts without renewal."""
     grace: float = 300.0
     """Seconds the job's sandboxes stay paused after the lease lapses, before destruction."""
+
+    def to_label(self) -> str:
+        return (
+            f"max={self.max_sandboxes},rate={self.max_creates_per_s:g},burst={self.burst},"
+            f"ttl={self.lease_ttl:g},grace={self.grace:g}"
+        )
+
+    @classmethod
+    def from_label(cls, text: str) -> JobLimits:
+        """Limits from :meth:`to_label`'s text; defaults for a label that is not one."""
+        try:
+            kv = dict(part.split("=", 1) for part in text.split(","))
+            return cls(
+                max_sandboxes=int(kv["max"]),
+                max_creates_per_s=float(kv["rate"]),
+                burst=int(kv["burst"]),
+                lease_ttl=float(kv["ttl"]),
+                grace=float(kv["grace"]),
+            )
+        except (KeyError, ValueError, InvalidRequest):
+            return cls()
 
     def __post_init__(self) -> None:
         for name in ("max_sandboxes", "max_creates_per_s", "lease_ttl"):
@@ -340,7 +365,30 @@ class JobManager:
 
     @staticmethod
     def _labelled(job: Job, spec: SandboxSpec) -> SandboxSpec:
-        return spec.model_copy(update={"labels": {**spec.labels, JOB_LABEL: job.name}})
+        labels = {**spec.labels, JOB_LABEL: job.name, LIMITS_LABEL: job.limits.to_label()}
+        return spec.model_copy(update={"labels": labels})
+
+    async def rebuild(self) -> list[str]:
+        """Take up the jobs whose sandboxes the fleet holds and this manager does not know
+        (a restarted control plane): limits from their label, a fresh lease. A job whose
+        client is gone then lapses and is reaped like any other. Returns the names."""
+        found: dict[str, str] = {}
+        for info in await self._ops.sandbox_list():
+            name = info.spec.labels.get(JOB_LABEL)
+            if name and name not in self._jobs and _JOB_NAME_RE.fullmatch(name):
+                found.setdefault(name, info.spec.labels.get(LIMITS_LABEL, ""))
+        for name, text in found.items():
+            lim = JobLimits.from_label(text)
+            job = Job(
+                name=name,
+                limits=lim,
+                bucket=TokenBucket(lim.max_creates_per_s, lim.burst, self._clock, self._sleep),
+                lease_until=self._clock() + lim.lease_ttl,
+            )
+            self._jobs[name] = job
+            await self._recount(job)
+            self._event(job, "job_rebuilt", count=len(job.live))
+        return sorted(found)
 
     # ------------------------------------------------------------------ job-wide
     async def pause(self, job: Job) -> list[SandboxInfo]:

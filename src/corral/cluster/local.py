@@ -97,6 +97,11 @@ class LocalRayCluster:
 
         try:
             if ray.is_initialized():
+                # an agent killed (a node-loss test) and not restarted left its node's
+                # sandboxes running: a new agent adopts them so that they can be destroyed
+                for i in range(len(self.configs)):
+                    if f"c{i}" not in self.agents and self.infos.get(f"c{i}"):
+                        self.start_agent(f"c{i}")
                 for agent in self.agents.values():
                     ray.get(agent.stop.remote(destroy=True), timeout=self._timeout)
                 self.agents.clear()

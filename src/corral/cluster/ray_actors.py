@@ -135,6 +135,7 @@ class ControlPlane:
         if self._loop is None:
             await self.discover()
             await self._fleet.refresh()
+            await self._jobs.rebuild()  # after a restart: the jobs the nodes still hold
             self._loop = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

@@ -92,9 +92,13 @@ class RayOps(FleetClient):
         return self
 
     async def sync_nodes(self) -> None:
-        """Add the nodes the control plane knows, re-pointing those whose agent moved."""
+        """Add the nodes the control plane knows, re-pointing those whose agent moved.
+
+        Also (re)starts the control plane's loop: after Ray restarted the actor it runs
+        again from the first client that comes by, rebuilding its nodes and jobs."""
         from corral.sdk._http import HTTPOps
 
+        await self._control.start.remote()
         for info in await self._control.discover.remote():
             if self._addresses.get(info["node_id"]) != info["address"]:
                 self._addresses[info["node_id"]] = info["address"]
