@@ -17,7 +17,7 @@ import importlib.metadata as _metadata
 from corral.errors import (
     BuildError,
     CapacityError,
-    QuotaExceeded,
+    JobQuotaExceeded,
     Conflict,
     CorralError,
     HostError,
@@ -101,7 +101,7 @@ __all__ = [
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
-    "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

@@ -10,7 +10,7 @@
     │   └── ProcessNotFound          a background process or shell id
     ├── Conflict                     wrong state for the operation (HTTP 409)
     ├── CapacityError                the node refuses: no room for another sandbox (HTTP 503)
-    │   └── QuotaExceeded            a job's own limit (live cap) is reached (HTTP 429)
+    │   └── JobQuotaExceeded         a job's own limit (live cap) is reached (HTTP 429)
     ├── SandboxError                 the sandbox is broken or its init does not answer (HTTP 502)
     ├── BuildError                   a layer could not be built
     ├── LayerCorrupt                 a layer file does not match its digest
@@ -35,7 +35,7 @@ __all__ = [
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
-    "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
@@ -96,7 +96,7 @@ class CapacityError(CorralError):
     status = 503
 
 
-class QuotaExceeded(CapacityError):
+class JobQuotaExceeded(CapacityError):
     """A job's (or project's) own limit refuses the request, not the fleet's room.
 
     ``retry_after``: seconds after which the same request may pass (None: only once the
@@ -146,7 +146,7 @@ KINDS: dict[str, type[CorralError]] = {
         ProcessNotFound,
         Conflict,
         CapacityError,
-        QuotaExceeded,
+        JobQuotaExceeded,
         SandboxError,
         BuildError,
         LayerCorrupt,

@@ -9,7 +9,7 @@ import pytest
 
 import corral
 from corral.cluster.ray_client import RayOps
-from corral.errors import Conflict, InvalidRequest, QuotaExceeded
+from corral.errors import Conflict, InvalidRequest, JobQuotaExceeded
 from corral.spec import ExecRequest, SandboxSpec
 from corral.cluster.local import LocalRayCluster
 
@@ -36,7 +36,7 @@ async def test_placement_routing_groups_and_job_pause(raycorral: LocalRayCluster
             for sb in group:
                 r = await sb.exec(["sh", "-c", "echo $((6*7))"])
                 assert r.stdout == b"42\n"
-            with pytest.raises(QuotaExceeded, match="over by 1"):
+            with pytest.raises(JobQuotaExceeded, match="over by 1"):
                 await job.create(IMAGE, qos="latency")
             paused = await job.pause()
             assert len(paused) == 6 and {i.state for i in paused} == {"paused"}
@@ -190,6 +190,6 @@ async def test_control_plane_restart_rebuilds_nodes_and_jobs(raycorral: LocalRay
                 return bool(st["live"] == 2)
 
             await _until("job rebuilt by the restarted control plane", rebuilt)
-            with pytest.raises(QuotaExceeded, match="max_sandboxes 3"):
+            with pytest.raises(JobQuotaExceeded, match="max_sandboxes 3"):
                 await job.create_group(2, IMAGE, qos="latency")
             assert len(await job.sandboxes()) == 2

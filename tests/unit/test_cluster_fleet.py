@@ -168,17 +168,17 @@ async def test_quota_error_is_429_with_retry_after_over_http() -> None:
     import httpx
 
     from corral.api.app import create_app
-    from corral.errors import QuotaExceeded
+    from corral.errors import JobQuotaExceeded
 
     class Quota(FakeNode):
         async def sandbox_create(self, spec: SandboxSpec) -> object:  # type: ignore[override]
-            raise QuotaExceeded("job 'j' is over its rate", retry_after=2.5)
+            raise JobQuotaExceeded("job 'j' is over its rate", retry_after=2.5)
 
     app = create_app(Quota("q1"), token=None)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         r = await c.post("/v1/sandboxes", json={"image": "demo/base"})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
-    assert r.json()["error"]["kind"] == "QuotaExceeded"
+    assert r.json()["error"]["kind"] == "JobQuotaExceeded"
 
 
 async def test_bursting_to_the_cloud_pool_above_80_percent() -> None:

@@ -12,7 +12,7 @@ from corral.errors import (
     Conflict,
     ImageNotFound,
     InvalidRequest,
-    QuotaExceeded,
+    JobQuotaExceeded,
 )
 from corral.spec import SandboxSpec
 from corral.testing import FakeNode
@@ -57,10 +57,10 @@ async def test_cap_fails_fast_naming_the_limit_and_overshoot() -> None:
     for _ in range(3):
         info = await jobs.create(job, SPEC)
         assert info.spec.labels[JOB_LABEL] == "rl-42"
-    with pytest.raises(QuotaExceeded, match=r"max_sandboxes 3.*over by 1") as ei:
+    with pytest.raises(JobQuotaExceeded, match=r"max_sandboxes 3.*over by 1") as ei:
         await jobs.create(job, SPEC)
     assert ei.value.status == 429
-    with pytest.raises(QuotaExceeded, match="over by 4"):
+    with pytest.raises(JobQuotaExceeded, match="over by 4"):
         await jobs.create_group(job, 4, SPEC)
     assert len(await fleet.sandbox_list({JOB_LABEL: "rl-42"})) == 3
 
@@ -179,7 +179,7 @@ async def test_refresh_rebuilds_live_set_and_job_pause_spans_nodes() -> None:
     jobs2 = JobManager(fleet, clock=clock, sleep=clock.sleep)
     job2 = await jobs2.open("rl-3", JobLimits(max_sandboxes=9))
     assert job2.live == {i.id for i in made}
-    with pytest.raises(QuotaExceeded):
+    with pytest.raises(JobQuotaExceeded):
         await jobs2.create(job2, SPEC)
     assert await jobs2.close("rl-3") == 9
     assert await _count(nodes) == 0
@@ -200,7 +200,7 @@ async def test_restarted_control_plane_rebuilds_jobs_and_still_reaps() -> None:
     assert await jobs2.rebuild() == ["rl-9"]
     again = jobs2.get("rl-9")
     assert again.limits == lim and len(again.live) == 4
-    with pytest.raises(QuotaExceeded, match="over by 1"):
+    with pytest.raises(JobQuotaExceeded, match="over by 1"):
         await jobs2.create_group(again, 2, SPEC)
     clock.t += 11
     await jobs2.tick()

@@ -46,7 +46,7 @@ PUBLIC = {
     "ProcessNotFound",
     "Conflict",
     "CapacityError",
-    "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

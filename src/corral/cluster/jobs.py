@@ -4,7 +4,7 @@ A job (an RL run, an eval) names a set of sandboxes, labelled ``corral.job=<name
 carries its limits:
 
 - **Live cap** (``max_sandboxes``): a create that would take the job past it fails at once
-  with :class:`~corral.errors.QuotaExceeded` saying by how much (HTTP 429). Failing fast,
+  with :class:`~corral.errors.JobQuotaExceeded` saying by how much (HTTP 429). Failing fast,
   not queueing, is deliberate: a cap is reached only by a job that forgot to destroy, and a
   queue would hide that until it timed out.
 - **Create rate** (``max_creates_per_s``, a token bucket with ``burst``): creates above the
@@ -45,7 +45,7 @@ from corral.errors import (
     CorralError,
     InvalidRequest,
     NotFound,
-    QuotaExceeded,
+    JobQuotaExceeded,
     SandboxNotFound,
 )
 from corral.ops import NodeOps
@@ -349,7 +349,7 @@ class JobManager:
         have = len(job.live) + job.reserved
         cap = job.limits.max_sandboxes
         if have + n > cap:
-            raise QuotaExceeded(
+            raise JobQuotaExceeded(
                 f"job {job.name!r} is at its live cap: max_sandboxes {cap}, {len(job.live)} "
                 f"live + {job.reserved} being created + {n} asked is over by "
                 f"{have + n - cap}; destroy sandboxes of the job or raise its cap",
