@@ -35,6 +35,8 @@ def test_nodes_status_drain_and_sandbox_ls(raycorral: LocalRayCluster) -> None:
                     "sandbox",
                     "create",
                     "test/busybox",
+                    "--qos",
+                    "latency",
                     "--label",
                     "t=cli",
                 )

@@ -222,3 +222,30 @@ async def test_unreachable_node_is_replaced_but_ambiguous_errors_are_not() -> No
     with pytest.raises(TransportError):
         for _ in range(20):
             await fleet.sandbox_create(SPEC)
+
+
+async def test_fleet_list_and_pause_survive_an_unreachable_node() -> None:
+    class Gone(FakeNode):
+        down = False
+
+        async def sandbox_list(self, labels: dict[str, str] | None = None) -> list:  # type: ignore[override]
+            if self.down:
+                raise TransportError("cannot reach the node")
+            return await super().sandbox_list(labels)
+
+        async def sandboxes_pause(self, labels: dict[str, str]) -> list:  # type: ignore[override]
+            if self.down:
+                raise TransportError("cannot reach the node")
+            return await super().sandboxes_pause(labels)
+
+    gone = Gone("g1")
+    fleet = FleetClient({"g1": gone, "ok": FakeNode("ok")}, seed=4)
+    await fleet.refresh()
+    made = [await fleet.sandbox_create(SPEC) for _ in range(8)]
+    on_gone = {i.id for i in made if i.node_id == "g1"}
+    assert on_gone
+    gone.down = True  # not yet marked lost: the call itself finds it silent
+    listed = {i.id: i.state for i in await fleet.sandbox_list({"job": "j"})}
+    assert len(listed) == 8 and {listed[i] for i in on_gone} == {"lost"}
+    paused = await fleet.sandboxes_pause({"job": "j"})
+    assert {i.id for i in paused} == {i.id for i in made} - on_gone

@@ -211,12 +211,16 @@ class FleetClient(NodeOps):
                     m.known[i.id] = i
         return infos
 
-    def _lost_infos(self, labels: dict[str, str] | None) -> list[SandboxInfo]:
+    def _lost_infos(
+        self, labels: dict[str, str] | None, silent: set[str] | None = None
+    ) -> list[SandboxInfo]:
+        """Last known sandboxes of lost nodes (and of ``silent`` ones, which did not answer
+        this call), with state ``lost``."""
         want = (labels or {}).items()
         return [
             i.model_copy(update={"state": "lost", "detail": f"node {nid} stopped answering"})
             for nid, m in self._members.items()
-            if m.lost
+            if m.lost or nid in (silent or ())
             for i in m.known.values()
             if want <= i.spec.labels.items()
         ]
@@ -282,8 +286,10 @@ class FleetClient(NodeOps):
         self._members[nid].known.pop(sandbox_id, None)
 
     async def sandbox_list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        out = self._merge_lists(await self._fan(lambda o: o.sandbox_list(labels)))
-        return self._remember(out) + self._lost_infos(labels)
+        got = await self._fan(lambda o: o.sandbox_list(labels))
+        out = self._remember(self._merge_lists(got))
+        silent = {nid for nid, r in got if isinstance(r, TransportError)}
+        return out + self._lost_infos(labels, silent)
 
     async def sandboxes_pause(self, labels: dict[str, str]) -> list[SandboxInfo]:
         if not labels:
@@ -302,8 +308,13 @@ class FleetClient(NodeOps):
 
     @staticmethod
     def _merge_lists(got: list[tuple[str, object]]) -> list[SandboxInfo]:
+        """The nodes' answers joined. A node that cannot be reached is left out (it is lost,
+        or about to be: one dead node must not stop a fleet-wide list or a job's pause);
+        any other error is raised, naming the node."""
         out: list[SandboxInfo] = []
         for nid, r in got:
+            if isinstance(r, TransportError):
+                continue
             if isinstance(r, BaseException):
                 if isinstance(r, CorralError):
                     raise type(r)(f"node {nid}: {r.message}") from r

@@ -31,7 +31,7 @@ from typing import Any
 from corral.cluster.fleet import FleetClient
 from corral.cluster.jobs import JobLimits, JobManager
 from corral.errors import CorralError
-from corral.spec import SandboxSpec
+from corral.spec import SandboxInfo, SandboxSpec
 
 __all__ = [
     "NAMESPACE",
@@ -47,6 +47,9 @@ __all__ = [
 log = logging.getLogger("corral.cluster")
 
 NAMESPACE = "corral"
+REQUEST_LABEL = "corral.request"
+"""A create's request key (set by the cluster client): a retried create finds what the
+first try made instead of making it again."""
 AGENT_PREFIX = "corral-node-"
 CONTROL_NAME = "corral-control"
 
@@ -192,10 +195,25 @@ class ControlPlane:
     # ----------------------------------------------------------------- creates
     async def sandbox_create(self, spec: str) -> str:
         try:
-            info = await self._fleet.sandbox_create(SandboxSpec.model_validate_json(spec))
+            s = SandboxSpec.model_validate_json(spec)
+            done = await self._already(s, 1)
+            info = done[0] if done else await self._fleet.sandbox_create(s)
         except CorralError as exc:
             return json.dumps(_wire(exc))
         return info.model_dump_json()
+
+    async def _already(self, spec: SandboxSpec, n: int) -> list[SandboxInfo]:
+        """What an earlier try of the same keyed request made (a client retrying after a
+        restart of this actor): all n of them, or none (a partial group is undone)."""
+        key = spec.labels.get(REQUEST_LABEL)
+        if not key:
+            return []
+        made = await self._fleet.sandbox_list({REQUEST_LABEL: key})
+        if len(made) >= n:
+            return made[:n]
+        for info in made:
+            await self._fleet.sandbox_destroy(info.id)
+        return []
 
     # ----------------------------------------------------------------- jobs
     async def job_open(self, name: str, limits: str) -> str:
@@ -222,6 +240,9 @@ class ControlPlane:
         async def go() -> list[dict[str, Any]]:
             job = self._jobs.get(name)
             s = SandboxSpec.model_validate_json(spec)
+            done = await self._already(s, n)
+            if done:
+                return [i.model_dump(mode="json") for i in done]
             made = (
                 [await self._jobs.create(job, s)]
                 if n == 1

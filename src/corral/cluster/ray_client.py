@@ -22,18 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
 from corral.cluster.fleet import FleetClient
 from corral.cluster.jobs import JobLimits
-from corral.cluster.ray_actors import CONTROL_NAME, NAMESPACE, control_actor
+from corral.cluster.ray_actors import CONTROL_NAME, NAMESPACE, REQUEST_LABEL, control_actor
 from corral.errors import InvalidRequest, TransportError, error_from_wire
 from corral.sdk._sandbox import Sandbox
 from corral.spec import Event, SandboxInfo, SandboxSpec
 
-__all__ = ["RayOps", "RemoteJobs", "RemoteJob", "ray_address"]
+__all__ = ["RayOps", "RemoteJobs", "RemoteJob", "ray_address", "REQUEST_LABEL"]
+
+_CALL_TRIES = 40
 
 
 def ray_address(target: str) -> str:
@@ -98,8 +101,8 @@ class RayOps(FleetClient):
         again from the first client that comes by, rebuilding its nodes and jobs."""
         from corral.sdk._http import HTTPOps
 
-        await self._control.start.remote()
-        for info in await self._control.discover.remote():
+        await self.call("start")
+        for info in await self.call("discover"):
             if self._addresses.get(info["node_id"]) != info["address"]:
                 self._addresses[info["node_id"]] = info["address"]
                 old = self.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
@@ -116,6 +119,26 @@ class RayOps(FleetClient):
                 await self.refresh()
             rounds += 1
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """``method`` of the control plane, retried while Ray restarts the actor.
+
+        Creates carry a request key (the label ``corral.request``) that a retry finds
+        instead of creating again, even on a restarted control plane; the other calls are
+        harmless to repeat (a repeated close answers JobNotFound)."""
+        import ray
+
+        for attempt in range(_CALL_TRIES):
+            try:
+                return await getattr(self.control, method).remote(*args)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                if attempt == _CALL_TRIES - 1:
+                    raise TransportError(
+                        f"the corral control plane did not answer {method} "
+                        f"({type(exc).__name__}) after {_CALL_TRIES} tries"
+                    ) from exc
+                await asyncio.sleep(0.25)
+        raise AssertionError("unreachable")
+
     @property
     def control(self) -> Any:
         """The control-plane actor handle."""
@@ -125,7 +148,7 @@ class RayOps(FleetClient):
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         info = SandboxInfo.model_validate_json(
-            _checked(await self.control.sandbox_create.remote(spec.model_dump_json()))
+            _checked(await self.call("sandbox_create", _keyed(spec).model_dump_json()))
         )
         return self._remember([info])[0]
 
@@ -141,6 +164,12 @@ class RayOps(FleetClient):
 
             ray.shutdown()
             self._owns_ray = False
+
+
+def _keyed(spec: SandboxSpec) -> SandboxSpec:
+    """``spec`` with a fresh request key (see :data:`REQUEST_LABEL`)."""
+    labels = {**spec.labels, REQUEST_LABEL: secrets.token_hex(8)}
+    return spec.model_copy(update={"labels": labels})
 
 
 def _checked(raw: str) -> str:
@@ -179,11 +208,11 @@ class RemoteJobs:
 
     async def events(self, after: int = 0) -> list[Event]:
         """Control-plane events: ``lease_expired``, ``orphans``, ``job_attached``."""
-        raw = await self._ops.control.events.remote(after)
+        raw = await self._ops.call("events", after)
         return [Event.model_validate(e) for e in json.loads(raw)]
 
     async def state(self, name: str) -> dict[str, Any]:
-        return dict(_unwire(await self._ops.control.job_state.remote(name)))
+        return dict(_unwire(await self._ops.call("job_state", name)))
 
 
 class RemoteJob:
@@ -196,9 +225,8 @@ class RemoteJob:
         """Destroy the job's sandboxes when the ``async with`` block ends cleanly."""
 
     async def __aenter__(self) -> RemoteJob:
-        c = self._ops.control
         if self._attach:
-            _unwire(await c.job_attach.remote(self.name))
+            _unwire(await self._ops.call("job_attach", self.name))
         else:
             assert self._limits is not None
             lim = self._limits
@@ -211,7 +239,7 @@ class RemoteJob:
                     "grace": lim.grace,
                 }
             )
-            _unwire(await c.job_open.remote(self.name, raw))
+            _unwire(await self._ops.call("job_open", self.name, raw))
         ttl = (
             self._limits.lease_ttl
             if self._limits
@@ -224,7 +252,7 @@ class RemoteJob:
         while True:
             await asyncio.sleep(every)
             with contextlib.suppress(Exception):  # a missed renewal is retried; ttl covers 3
-                _unwire(await self._ops.control.job_renew.remote(self.name))
+                _unwire(await self._ops.call("job_renew", self.name))
 
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -234,7 +262,7 @@ class RemoteJob:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renew
         if et is None and self.close_on_exit:
-            _unwire(await self._ops.control.job_close.remote(self.name))
+            _unwire(await self._ops.call("job_close", self.name))
 
     async def create(self, image: str, **fields: Any) -> Sandbox:
         return (await self.create_group(1, image, **fields))[0]
@@ -243,17 +271,17 @@ class RemoteJob:
         """n sandboxes of ``SandboxSpec(image=image, **fields)``, all or none."""
         spec = SandboxSpec.model_validate({"image": image, **fields})
         got = _unwire(
-            await self._ops.control.job_create.remote(self.name, n, spec.model_dump_json())
+            await self._ops.call("job_create", self.name, n, _keyed(spec).model_dump_json())
         )
         infos = self._ops._remember([SandboxInfo.model_validate(i) for i in got])
         return [Sandbox._wrap(self._ops, i) for i in infos]
 
     async def pause(self) -> list[SandboxInfo]:
-        got = _unwire(await self._ops.control.job_pause.remote(self.name, False))
+        got = _unwire(await self._ops.call("job_pause", self.name, False))
         return [SandboxInfo.model_validate(i) for i in got]
 
     async def resume(self) -> list[SandboxInfo]:
-        got = _unwire(await self._ops.control.job_pause.remote(self.name, True))
+        got = _unwire(await self._ops.call("job_pause", self.name, True))
         return [SandboxInfo.model_validate(i) for i in got]
 
     async def sandboxes(self) -> list[SandboxInfo]:
