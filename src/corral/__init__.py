@@ -17,6 +17,7 @@ import importlib.metadata as _metadata
 from corral.errors import (
     BuildError,
     CapacityError,
+    JobQuotaExceeded,
     Conflict,
     CorralError,
     HostError,
@@ -104,6 +105,7 @@ __all__ = [
     "CapacityError",
     "ScratchFull",
     "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

@@ -10,7 +10,8 @@
     │   └── ProcessNotFound          a background process or shell id
     ├── Conflict                     wrong state for the operation (HTTP 409)
     ├── CapacityError                the node refuses: no room for another sandbox (HTTP 503)
-    │   └── ScratchFull              the node's scratch filesystem (all writable layers) is full
+    │   ├── ScratchFull              the node's scratch filesystem (all writable layers) is full
+    │   └── JobQuotaExceeded         a job's own limit (live cap) is reached (HTTP 429)
     ├── QuotaExceeded                the sandbox's own disk quota is full (HTTP 507)
     ├── SandboxError                 the sandbox is broken or its init does not answer (HTTP 502)
     ├── BuildError                   a layer could not be built
@@ -38,6 +39,7 @@ __all__ = [
     "CapacityError",
     "ScratchFull",
     "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
@@ -116,6 +118,19 @@ class QuotaExceeded(CorralError):
     status = 507
 
 
+class JobQuotaExceeded(CapacityError):
+    """A job's (or project's) own limit refuses the request, not the fleet's room.
+
+    ``retry_after``: seconds after which the same request may pass (None: only once the
+    job's sandboxes are destroyed). The HTTP layer sends it as ``Retry-After``."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class SandboxError(CorralError):
     status = 502
 
@@ -155,6 +170,7 @@ KINDS: dict[str, type[CorralError]] = {
         CapacityError,
         ScratchFull,
         QuotaExceeded,
+        JobQuotaExceeded,
         SandboxError,
         BuildError,
         LayerCorrupt,

@@ -353,7 +353,10 @@ SandboxState = Literal[
     "resuming",
     "destroying",
     "destroyed",
+    "lost",
 ]
+"""``lost`` is never a node's own state: a cluster client reports it for the sandboxes of a
+node that stopped answering (their last known info, with this state)."""
 
 
 class SandboxInfo(_Model):

@@ -48,6 +48,7 @@ PUBLIC = {
     "CapacityError",
     "ScratchFull",
     "QuotaExceeded",
+    "JobQuotaExceeded",
     "SandboxError",
     "BuildError",
     "LayerCorrupt",

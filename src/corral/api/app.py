@@ -17,6 +17,7 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -128,7 +129,10 @@ def _json_list(models: list[Any]) -> Response:
 
 
 def _wire(err: CorralError, status: int | None = None) -> JSONResponse:
-    return JSONResponse(err.to_wire(), status_code=status or err.status)
+    # a quota's 429 says when to come back, where that is known (RFC 9110 Retry-After)
+    after = getattr(err, "retry_after", None)
+    headers = {"retry-after": str(max(1, math.ceil(after)))} if after is not None else None
+    return JSONResponse(err.to_wire(), status_code=status or err.status, headers=headers)
 
 
 def _parse_labels(label: list[str]) -> dict[str, str] | None:

@@ -11,6 +11,8 @@ Example::
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
     corral bench microvm --count 8 --json
+    corral bench placement --nodes 160 --sandboxes 32768 --json
+    corral bench cluster --nodes 3 --count 300 --json
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Annotated
 import typer
 
 from corral.bench import density_cmds, scenarios
-from corral.bench._commands import Concurrency, Count, Scenario, scenario
+from corral.bench._commands import Concurrency, Count, Scenario, _run, scenario
 from corral.bench.scenarios import BenchOptions
 
 __all__ = ["app"]
@@ -137,6 +139,46 @@ def network_cmd(
     from corral.spec import parse_bytes
 
     return network(opts, count, updates, rounds, parse_bytes(size))
+
+
+@scenario(app, "cluster", image="busybox")
+def cluster_cmd(
+    opts: BenchOptions,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, max=8, help="Local Ray nodes.")] = 3,
+    count: Count = 300,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """The same creates and execs through the cluster client (Ray, placement) and straight
+    at one node, in one run; node-loss detection time and orphans left after a lease lapses.
+    Needs corral[cluster]."""
+    from corral.bench.cluster import cluster
+
+    return cluster(opts, nodes, count, concurrency)
+
+
+@app.command("placement")
+def placement_cmd(
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Simulated nodes.")] = 160,
+    sandboxes: Annotated[
+        int, typer.Option("--sandboxes", min=1, help="Sandboxes in the burst.")
+    ] = 32768,
+    capacity: Annotated[
+        int, typer.Option("--capacity", min=1, help="max_sandboxes of each simulated node.")
+    ] = 256,
+    placers: Annotated[
+        int, typer.Option("--placers", min=1, help="Placers working at once, uncoordinated.")
+    ] = 4,
+    report_every: Annotated[
+        int, typer.Option("--report-every", min=1, help="Decisions between node reports.")
+    ] = 2048,
+    k: Annotated[int, typer.Option("--k", min=1, help="Candidates sampled per decision.")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Last stdout line: JSON.")] = False,
+) -> None:
+    """The placement core alone on one core against simulated nodes that admit like real
+    ones: decisions/s, refusals, and whether any node went over its capacity."""
+    from corral.bench.placement import placement
+
+    _run(lambda: placement(nodes, sandboxes, capacity, placers, report_every, k), as_json)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -115,15 +115,15 @@ def resolve_target(node: str | None, cfg: NodeConfig, *, explicit_local: bool = 
     if node:
         if node in (EMBEDDED, "local"):
             return EMBEDDED
-        if node.startswith(("unix://", "http://", "https://")):
+        if node.startswith(("unix://", "http://", "https://", "ray://")):
             return node
         if node.startswith("/") or node.startswith("."):
             return f"unix://{Path(node).resolve()}"
         if ":" in node and "/" not in node:
             return f"http://{node}"
         raise InvalidRequest(
-            f"--node {node!r}: use unix:///path/to/api.sock, http://host:port, a socket "
-            f"path, or 'embedded'"
+            f"--node {node!r}: use unix:///path/to/api.sock, http://host:port, ray://auto, "
+            f"a socket path, or 'embedded'"
         )
     if explicit_local:
         return EMBEDDED

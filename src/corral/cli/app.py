@@ -29,6 +29,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from corral.cli import doctor as doctor_cmd
+from corral.cli import cluster as cluster_cmd
 from corral.cli import events as events_cmd
 from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd
@@ -120,6 +121,7 @@ app.add_typer(images_cmd.app, name="image")
 app.add_typer(sandbox_cmd.app, name="sandbox")
 app.add_typer(node_cmd.app, name="node")
 app.add_typer(events_cmd.app, name="events")
+app.add_typer(cluster_cmd.app, name="cluster")
 app.add_typer(fncall_cmd.app, name="fncall")
 app.command("redteam")(redteam_cmd.redteam)
 app.command("top")(observe_cmd.top)
@@ -135,7 +137,7 @@ def _root(
         typer.Option(
             "--node",
             envvar="CORRAL_NODE",
-            help="unix:///path/api.sock, http://host:port, or 'embedded'. Default: the local "
+            help="unix:///path/api.sock, http://host:port, ray://auto (a cluster), or 'embedded'. Default: the local "
             "API socket if a server listens on it, else an embedded node.",
         ),
     ] = None,

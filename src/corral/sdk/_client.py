@@ -41,7 +41,9 @@ class AsyncClient:
     """Asynchronous client of one corral node.
 
     ``target``: None runs an embedded node in this process (opened on first use);
-    ``"unix:///run/corral/api.sock"`` or ``"http://host:8700"`` talks to a node's API.
+    ``"unix:///run/corral/api.sock"`` or ``"http://host:8700"`` talks to a node's API;
+    ``"ray://auto"`` to a corral cluster on Ray (``corral[cluster]``), where
+    ``client.jobs`` also exists.
     ``ops`` injects any ``NodeOps`` (tests pass ``corral.testing.FakeNode()``).
 
     Example:
@@ -68,7 +70,7 @@ class AsyncClient:
             raise InvalidRequest("config= configures the embedded node; a target has its own")
         if target is None and token is not None:
             raise InvalidRequest("token= is for a node's API; the embedded node needs none")
-        if target is not None:
+        if target is not None and not target.startswith("ray://"):
             from corral.sdk._http import parse_target
 
             parse_target(target)  # fail here, not at first use, on a malformed target
@@ -88,6 +90,19 @@ class AsyncClient:
     def __repr__(self) -> str:
         return f"AsyncClient({self._where!r})"
 
+    @property
+    def jobs(self) -> Any:
+        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered:
+        a ``corral.cluster.ray_client.RemoteJobs``. Async only for now: the blocking
+        ``Client`` hands out the same async object."""
+        jobs = getattr(self._ops, "jobs", None)
+        if jobs is None:
+            raise InvalidRequest(
+                f"jobs need a cluster: open the client on ray://auto (this one is {self._where})"
+                " and enter it (async with) first"
+            )
+        return jobs
+
     async def _get_ops(self) -> NodeOps:
         if self._closed:
             raise CorralError("this corral client is closed")
@@ -104,6 +119,11 @@ class AsyncClient:
             from corral.node import Node
 
             return await Node.open(self._config)
+        if self._target.startswith("ray://"):
+            # imported here: Ray is the optional extra corral[cluster]
+            from corral.cluster.ray_client import RayOps
+
+            return await RayOps(self._target).connect()
         from corral.sdk._http import HTTPOps
 
         return HTTPOps(self._target, token=self._token)

@@ -71,7 +71,9 @@ class Client(_Handle):
     Asynchronous client of one corral node.
 
     ``target``: None runs an embedded node in this process (opened on first use);
-    ``"unix:///run/corral/api.sock"`` or ``"http://host:8700"`` talks to a node's API.
+    ``"unix:///run/corral/api.sock"`` or ``"http://host:8700"`` talks to a node's API;
+    ``"ray://auto"`` to a corral cluster on Ray (``corral[cluster]``), where
+    ``client.jobs`` also exists.
     ``ops`` injects any ``NodeOps`` (tests pass ``corral.testing.FakeNode()``).
 
     Example:
@@ -116,6 +118,14 @@ class Client(_Handle):
         """Short calls in warm pools: ``run``, ``judge``, ``map``."""
         value = self._obj.fncall
         return BlockingFnCall(value, self._portal)
+
+    @property
+    def jobs(self) -> Any:
+        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered:
+        a ``corral.cluster.ray_client.RemoteJobs``. Async only for now: the blocking
+        ``Client`` hands out the same async object.
+        """
+        return self._obj.jobs
 
     def events(
         self,

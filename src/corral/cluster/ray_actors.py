@@ -1,0 +1,309 @@
+"""The Ray actors of a corral cluster: one node agent per host, one control plane.
+
+Ray carries control messages only. Each **node agent** opens a real corral node on its host
+and serves it over the node's own HTTP API (TCP, with a fresh bearer token); clients call
+that API directly for every per-sandbox operation (exec, files, pty), so the data plane
+never passes through Ray or the control plane. The agent is pinned to its host by a custom
+resource ``corral-node-<host>`` that the operator (or ``ray.cluster_utils.Cluster`` in
+tests) gives that Ray node, and is a named actor ``corral-node-<host>`` in the namespace
+``corral``, which is how everyone finds it.
+
+The **control plane** (named ``corral-control``) holds only soft state: the node list
+(rediscovered from the named agents), a :class:`~corral.cluster.FleetClient` over their
+HTTP APIs (placement, node loss) and the :class:`~corral.cluster.JobManager` (quotas,
+groups, leases, which must outlive a killed trainer: that is why they live here). After a
+restart it rebuilds all of it by asking the agents and the nodes.
+
+Nothing here is imported unless a cluster is used: ``ray`` is the optional extra
+``corral[cluster]``. Methods take and return JSON strings of :mod:`corral.spec` models, and
+errors travel as corral's wire errors (rebuilt by ``error_from_wire`` from its closed table)
+rather than as pickled exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from typing import Any
+
+from corral.cluster.fleet import FleetClient
+from corral.cluster.jobs import JobLimits, JobManager
+from corral.errors import CorralError
+from corral.spec import SandboxInfo, SandboxSpec
+
+__all__ = [
+    "NAMESPACE",
+    "AGENT_PREFIX",
+    "CONTROL_NAME",
+    "node_resource",
+    "NodeAgent",
+    "ControlPlane",
+    "agent_actor",
+    "control_actor",
+]
+
+log = logging.getLogger("corral.cluster")
+
+NAMESPACE = "corral"
+REQUEST_LABEL = "corral.request"
+"""A create's request key (set by the cluster client): a retried create finds what the
+first try made instead of making it again."""
+AGENT_PREFIX = "corral-node-"
+CONTROL_NAME = "corral-control"
+
+
+def node_resource(host: str) -> str:
+    """The Ray custom resource that pins a node agent to host ``host``."""
+    return f"{AGENT_PREFIX}{host}"
+
+
+def _wire(exc: CorralError) -> dict[str, Any]:
+    return exc.to_wire()
+
+
+class NodeAgent:
+    """Hosts one corral node on this host and serves its HTTP API (a Ray actor's body).
+
+    ``config``: a :class:`corral.node.NodeConfig` as JSON. ``bind``: the address the API
+    listens on (default: this host's address in the Ray cluster); the port is the kernel's
+    choice."""
+
+    def __init__(self, config: str, bind: str = "") -> None:
+        self._config_json = config
+        self._bind = bind
+        self._token = secrets.token_urlsafe(24)
+        self._node: Any = None
+        self._server: Any = None
+
+    async def start(self) -> dict[str, str]:
+        """Open the node (it reconciles what an earlier agent left) and serve it."""
+        # imported here: only a host that runs a node needs the node room
+        from corral.api.server import NodeServer
+        from corral.node import Node, NodeConfig
+
+        if self._node is None:
+            if not self._bind:
+                import ray
+
+                self._bind = ray.util.get_node_ip_address()
+            cfg = NodeConfig.model_validate_json(self._config_json)
+            self._node = await Node.open(cfg)
+            self._server = NodeServer(self._node, host=self._bind, port=0, token=self._token)
+            await self._server.start()
+        return self.info()
+
+    def info(self) -> dict[str, str]:
+        """Where clients reach this node: ``{"node_id", "address", "token"}``."""
+        if self._node is None:
+            return {}
+        return {
+            "node_id": self._node.node_id,
+            "address": self._server.address,
+            "token": self._token,
+        }
+
+    async def stop(self, destroy: bool = False) -> int:
+        """Stop serving and close the node; ``destroy`` first destroys every sandbox
+        (returns how many). Without it sandboxes keep running for the next agent."""
+        n = 0
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+        if self._node is not None:
+            if destroy:
+                for info in await self._node.sandbox_list():
+                    await self._node.sandbox_destroy(info.id)
+                    n += 1
+            await self._node.close()
+            self._node = None
+        return n
+
+
+class ControlPlane:
+    """Placement, jobs and node loss over the agents (a Ray actor's body); see module doc.
+
+    ``interval``: seconds between status rounds (node loss is reported ``lost_after``
+    seconds after a node's last answer, so within ``lost_after + interval``)."""
+
+    def __init__(self, interval: float = 1.0, lost_after: float = 5.0) -> None:
+        self._interval = interval
+        self._fleet = FleetClient({}, lost_after=lost_after, status_timeout=min(2.0, lost_after))
+        self._jobs = JobManager(self._fleet, free_slots=self._fleet.placer.free_slots)
+        self._agents: dict[str, dict[str, str]] = {}
+        self._loop: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._loop is None:
+            await self.discover()
+            await self._fleet.refresh()
+            await self._jobs.rebuild()  # after a restart: the jobs the nodes still hold
+            self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        rounds = 0
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                if rounds % 5 == 0:
+                    await self.discover()
+                await self._fleet.refresh()
+                await self._jobs.tick()
+            except Exception:  # the loop must outlive one bad round
+                log.exception("control plane round failed")
+            rounds += 1
+
+    async def discover(self) -> list[dict[str, str]]:
+        """Ask every named node agent where its node is; add new nodes and re-point those
+        whose agent restarted (new address or token). Soft state: this is the rebuild."""
+        import ray
+
+        from corral.sdk._http import HTTPOps
+
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry.get("name", "") if isinstance(entry, dict) else str(entry)
+            if entry.get("namespace") != NAMESPACE or not name.startswith(AGENT_PREFIX):
+                continue
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                info: dict[str, str] = await asyncio.wait_for(actor.info.remote(), timeout=2)
+            except Exception:  # an agent starting or dying: next round
+                continue
+            if not info or self._agents.get(name) == info:
+                continue
+            self._agents[name] = info
+            old = self._fleet.add_node(
+                info["node_id"], HTTPOps(info["address"], token=info["token"])
+            )
+            if old is not None:
+                await old.close()
+        return list(self._agents.values())
+
+    def nodes(self) -> list[dict[str, str]]:
+        """Every known node: its agent's info plus ``lost``/``draining``."""
+        lost = set(self._fleet.lost_nodes())
+        return [{**a, "lost": str(a["node_id"] in lost)} for a in self._agents.values()]
+
+    async def refresh(self) -> dict[str, str | None]:
+        got = await self._fleet.refresh()
+        return {k: None if v is None else v.model_dump_json() for k, v in got.items()}
+
+    def drain(self, node_id: str, on: bool = True) -> None:
+        self._fleet.drain(node_id, on)
+
+    # ----------------------------------------------------------------- creates
+    async def sandbox_create(self, spec: str) -> str:
+        try:
+            s = SandboxSpec.model_validate_json(spec)
+            done = await self._already(s, 1)
+            info = done[0] if done else await self._fleet.sandbox_create(s)
+        except CorralError as exc:
+            return json.dumps(_wire(exc))
+        return info.model_dump_json()
+
+    async def _already(self, spec: SandboxSpec, n: int) -> list[SandboxInfo]:
+        """What an earlier try of the same keyed request made (a client retrying after a
+        restart of this actor): all n of them, or none (a partial group is undone)."""
+        key = spec.labels.get(REQUEST_LABEL)
+        if not key:
+            return []
+        made = await self._fleet.sandbox_list({REQUEST_LABEL: key})
+        if len(made) >= n:
+            return made[:n]
+        for info in made:
+            await self._fleet.sandbox_destroy(info.id)
+        return []
+
+    # ----------------------------------------------------------------- jobs
+    async def job_open(self, name: str, limits: str) -> str:
+        return await self._call(self._job_open(name, JobLimits(**json.loads(limits))))
+
+    async def _job_open(self, name: str, limits: JobLimits) -> dict[str, Any]:
+        job = await self._jobs.open(name, limits)
+        return {"name": job.name, "live": len(job.live), "state": job.state}
+
+    async def job_attach(self, name: str) -> str:
+        async def go() -> dict[str, Any]:
+            job = await self._jobs.attach(name)
+            return {"name": job.name, "live": len(job.live), "state": job.state}
+
+        return await self._call(go())
+
+    async def job_renew(self, name: str) -> str:
+        async def go() -> dict[str, Any]:
+            return {"lease_until": self._jobs.renew(name)}
+
+        return await self._call(go())
+
+    async def job_create(self, name: str, n: int, spec: str) -> str:
+        async def go() -> list[dict[str, Any]]:
+            job = self._jobs.get(name)
+            s = SandboxSpec.model_validate_json(spec)
+            done = await self._already(s, n)
+            if done:
+                return [i.model_dump(mode="json") for i in done]
+            made = (
+                [await self._jobs.create(job, s)]
+                if n == 1
+                else await self._jobs.create_group(job, n, s)
+            )
+            return [i.model_dump(mode="json") for i in made]
+
+        return await self._call(go())
+
+    async def job_pause(self, name: str, resume: bool = False) -> str:
+        async def go() -> list[dict[str, Any]]:
+            job = self._jobs.get(name)
+            got = await (self._jobs.resume(job) if resume else self._jobs.pause(job))
+            return [i.model_dump(mode="json") for i in got]
+
+        return await self._call(go())
+
+    async def job_close(self, name: str) -> str:
+        async def go() -> int:
+            return await self._jobs.close(name)
+
+        return await self._call(go())
+
+    async def job_state(self, name: str) -> str:
+        async def go() -> dict[str, Any]:
+            job = self._jobs.get(name)
+            return {
+                "name": job.name,
+                "state": job.state,
+                "live": len(job.live),
+                "orphans": job.orphans,
+                "lease_ttl": job.limits.lease_ttl,
+            }
+
+        return await self._call(go())
+
+    def events(self, after: int = 0) -> str:
+        return json.dumps([e.model_dump(mode="json") for e in self._jobs.events(after)])
+
+    @staticmethod
+    async def _call(coro: Any) -> str:
+        try:
+            return json.dumps({"ok": await coro})
+        except CorralError as exc:
+            return json.dumps(_wire(exc))
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+        await self._fleet.close()
+
+
+def agent_actor() -> Any:
+    """``NodeAgent`` as a Ray actor class (one concurrent call at a time is not enough:
+    ``info`` must answer while ``start`` opens the node, so it is an async actor)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+
+
+def control_actor() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=-1)(ControlPlane)

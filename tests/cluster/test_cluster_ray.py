@@ -1,0 +1,195 @@
+"""The cluster on a real local Ray cluster with three real corral nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import corral
+from corral.cluster.ray_client import RayOps
+from corral.errors import Conflict, InvalidRequest, JobQuotaExceeded
+from corral.spec import ExecRequest, SandboxSpec
+from corral.cluster.local import LocalRayCluster
+
+IMAGE = "test/busybox"
+
+
+async def _until(what: str, check: object, deadline: float = 30.0) -> float:
+    """Poll ``check()`` (async, truthy when done) until it holds; the seconds it took."""
+    t0 = time.monotonic()
+    while not await check():  # type: ignore[operator]
+        if time.monotonic() - t0 > deadline:
+            raise AssertionError(f"{what}: not within {deadline} s")
+        await asyncio.sleep(0.2)
+    return time.monotonic() - t0
+
+
+async def test_placement_routing_groups_and_job_pause(raycorral: LocalRayCluster) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps) and len(ops.node_ids()) == 3
+        async with client.jobs.open("rl-t1", max_sandboxes=6, max_creates_per_s=50) as job:
+            group = await job.create_group(6, IMAGE, qos="latency")
+            assert len({sb.info.node_id for sb in group}) >= 2  # spread over nodes
+            for sb in group:
+                r = await sb.exec(["sh", "-c", "echo $((6*7))"])
+                assert r.stdout == b"42\n"
+            with pytest.raises(JobQuotaExceeded, match="over by 1"):
+                await job.create(IMAGE, qos="latency")
+            paused = await job.pause()
+            assert len(paused) == 6 and {i.state for i in paused} == {"paused"}
+            assert len(await job.resume()) == 6
+        # a clean exit closed the job: its sandboxes are gone on every node
+        assert await client.sandboxes.list(labels={"corral.job": "rl-t1"}) == []
+
+
+async def test_group_all_or_nothing_with_a_failing_node(raycorral: LocalRayCluster) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        # node c2 does not know the permission "pkgs": creates placed there fail
+        async with client.jobs.open("rl-t2", max_sandboxes=30, max_creates_per_s=100) as job:
+            # 24 spread by load over 3 nodes: some land on c2 (and fail), some elsewhere
+            with pytest.raises(InvalidRequest, match=r"[1-9][0-9]* made and destroyed again"):
+                await job.create_group(24, IMAGE, qos="latency", network={"allow": ["pkgs"]})
+            assert await job.sandboxes() == []
+            group = await job.create_group(9, IMAGE, qos="latency")
+            assert len(group) == 9
+
+
+@pytest.mark.heavy
+async def test_node_loss_reported_and_recovered(raycorral: LocalRayCluster) -> None:
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps)
+        on_c2 = SandboxSpec(image=IMAGE, qos="latency", labels={"corral.node/host": "c2"})
+        made = [await ops.sandbox_create(on_c2) for _ in range(3)]
+        made += [
+            await ops.sandbox_create(SandboxSpec(image=IMAGE, qos="latency")) for _ in range(3)
+        ]
+        by_node = {i.node_id for i in made}
+        victim = raycorral.agents["c2"]
+        info = await victim.info.remote()
+        mine = [i for i in made if i.node_id == info["node_id"]]
+        assert mine, by_node
+        t0 = time.monotonic()
+        raycorral.kill_agent("c2")
+
+        async def lost() -> bool:
+            return info["node_id"] in ops.lost_nodes()
+
+        await _until("node reported lost", lost)
+        took = time.monotonic() - t0
+        print(f"node loss reported after {took:.1f} s")
+        got = await ops.sandbox_get(mine[0].id)
+        assert got.state == "lost"
+        for _ in range(4):
+            assert (
+                await ops.sandbox_create(SandboxSpec(image=IMAGE, qos="latency"))
+            ).node_id != info["node_id"]
+        # the agent comes back on its host: the node reconciles, its sandboxes survive
+        again = await asyncio.to_thread(raycorral.start_agent, "c2")
+        assert again["node_id"] == info["node_id"]
+
+        async def back() -> bool:
+            return info["node_id"] not in ops.lost_nodes()
+
+        await _until("node back", back)
+        got = await ops.sandbox_get(mine[0].id)
+        assert got.state == "running"
+        r = await ops.exec(mine[0].id, ExecRequest(cmd=["echo", "alive"]))
+        assert r.stdout == b"alive\n"
+        for i in await ops.sandbox_list():
+            await ops.sandbox_destroy(i.id)
+
+
+_TRAINER = r"""
+import asyncio, json, sys
+import ray
+import corral
+
+async def main():
+    ray.init(address=sys.argv[1], namespace="corral", log_to_driver=False)
+    async with corral.AsyncClient("ray://auto") as client:
+        job = client.jobs.open("rl-kill", max_sandboxes=8, lease_ttl=3, grace=4)
+        await job.__aenter__()
+        group = await job.create_group(3, "test/busybox", qos="latency")
+        print(json.dumps([sb.id for sb in group]), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.heavy
+async def test_lease_expiry_after_client_sigkill(raycorral: LocalRayCluster) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, raycorral.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        ids = json.loads(line)
+        assert len(ids) == 3
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer dies without a word
+        await asyncio.to_thread(proc.wait)
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps)
+
+        async def states() -> set[str]:
+            return {(await ops.sandbox_get(i)).state for i in ids}
+
+        async def paused() -> bool:
+            return await states() == {"paused"}
+
+        async def gone() -> bool:
+            return await client.sandboxes.list(labels={"corral.job": "rl-kill"}) == []
+
+        await _until("job paused after the lease lapsed", paused)
+        await _until("orphans destroyed after the grace", gone)
+        events = [e for e in await client.jobs.events() if e.detail.get("job") == "rl-kill"]
+        assert [(e.kind, e.detail.get("count")) for e in events] == [
+            ("lease_expired", 3),
+            ("orphans", 3),
+        ]
+        state = await client.jobs.state("rl-kill")
+        assert state["state"] == "reaped" and state["orphans"] == 3
+        with pytest.raises(Conflict, match="destroyed"):
+            async with client.jobs.attach("rl-kill"):
+                pass
+
+
+@pytest.mark.heavy
+async def test_control_plane_restart_rebuilds_nodes_and_jobs(raycorral: LocalRayCluster) -> None:
+    import ray
+
+    from corral.cluster.ray_actors import CONTROL_NAME, NAMESPACE
+
+    async with corral.AsyncClient("ray://auto") as client:
+        async with client.jobs.open("rl-cp", max_sandboxes=3, lease_ttl=30) as job:
+            await job.create_group(2, IMAGE, qos="latency")
+            ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE), no_restart=False)
+
+            async def rebuilt() -> bool:
+                try:
+                    st = await client.jobs.state("rl-cp")
+                except Exception:
+                    return False
+                return bool(st["live"] == 2)
+
+            await _until("job rebuilt by the restarted control plane", rebuilt)
+            with pytest.raises(JobQuotaExceeded, match="max_sandboxes 3"):
+                await job.create_group(2, IMAGE, qos="latency")
+            assert len(await job.sandboxes()) == 2
