@@ -49,6 +49,7 @@ PUBLIC = {
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
+    "StoreUnavailable",
     "HostError",
     "Unauthorized",
     "TransportError",
