@@ -4,14 +4,17 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftables iproute2 \
                 busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
+# Only `make test` needs these: the distributed filesystem the shared-store tests and the
+# ondemand bench run the layer store on (corral/bench/dfs.py).
+TEST_APT_PACKAGES := moosefs-master moosefs-chunkserver moosefs-client
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint deps venv bench clean-node
+.PHONY: demo test lint deps test-deps venv bench clean-node
 
 demo: venv
 	$(VENV)/bin/corral demo
 
-test: venv
+test: venv test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
@@ -23,6 +26,13 @@ deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+test-deps:
+	@missing=$$(for p in $(TEST_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages for the tests: $$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
