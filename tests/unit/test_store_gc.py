@@ -118,3 +118,27 @@ def test_bounded_call_translates_a_gone_transport():
         Bounded("/srv/store", timeout=5).call("reading image 'x'", gone)
     with pytest.raises(FileNotFoundError):
         Bounded("/srv/store", timeout=5).call("x", lambda: open("/nonexistent/x"))
+
+
+def test_one_nodes_verification_stands_for_all_until_the_file_changes(
+    store: LayerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from corral.errors import LayerCorrupt
+    from corral.images import store as store_mod
+
+    src = tmp_path / "src"
+    src.mkdir()
+    li = _layer(store, src, "a")
+    LayerStore(store.root).verify(li.digest)  # node 1 hashes and stamps
+    hashed: list[Path] = []
+    real = store_mod._hash_file
+    monkeypatch.setattr(store_mod, "_hash_file", lambda p, s=None: hashed.append(p) or real(p))
+    LayerStore(store.root).verify(li.digest)  # node 2 trusts the stamp
+    assert hashed == []
+    path = store.path_of(li.digest)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(LayerCorrupt, match="corrupt"):
+        LayerStore(store.root).verify(li.digest)
+    assert hashed == [path]

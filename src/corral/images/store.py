@@ -4,6 +4,7 @@ Layout (the directory may be a shared filesystem that several builders and nodes
 
     ROOT/layers/<hex>.erofs     the layer, named by the SHA-256 of its bytes
     ROOT/layers/<hex>.json      its LayerInfo
+    ROOT/layers/<hex>.verified  stamp: the file as it was when some node last hashed it
     ROOT/images/<quoted>.json   an ImageInfo, the name percent-quoted into one file name
     ROOT/tmp/                   files being written; renamed into place when complete
     ROOT/leases/<hex>/<holder>  node <holder> has the layer mounted (images/leases.py)
@@ -28,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import hashlib
@@ -350,19 +352,38 @@ class LayerStore:
         A good result is remembered per (device, inode, size, mtime) of the file, so a
         node pays for the hash once per layer, and a replaced or rewritten file is checked
         again.
+
+        It is also stamped on the store (``<hex>.verified``: inode, size, mtime, ctime of
+        the file that hashed right), so on a shared store one node's full read stands for
+        all: another node whose view of the file matches the stamp skips the hash. Without
+        that, every node would read every byte of every layer it mounts over the network,
+        and on-demand loading would read as much as an eager copy. What the stamp trusts:
+        any change made through the filesystem (a rewrite, a truncation, a replaced file)
+        moves the mtime/ctime or inode and forces a new hash; media errors under the
+        filesystem are the shared filesystem's to catch (MooseFS, CephFS and 3FS checksum
+        their chunks).
         """
         path = self.path_of(digest)
         st = path.stat()
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if self._verified.get(digest) == key:
             return
-        actual = _hash_file(path)
-        if actual != digest:
-            with self._lock:
-                self._verified.pop(digest, None)
-            raise LayerCorrupt(
-                f"layer file {path} is corrupt: its content hashes to {actual}, not {digest}"
-            )
+        stamp_path = path.with_suffix(".verified")
+        stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
+        try:
+            stamped = stamp_path.read_text() == stamp
+        except (OSError, UnicodeDecodeError):
+            stamped = False
+        if not stamped:
+            actual = _hash_file(path)
+            if actual != digest:
+                with self._lock:
+                    self._verified.pop(digest, None)
+                raise LayerCorrupt(
+                    f"layer file {path} is corrupt: its content hashes to {actual}, not {digest}"
+                )
+            with contextlib.suppress(OSError):  # a read-only store: every node hashes
+                self._write_atomic(stamp_path, stamp.encode())
         with self._lock:
             self._verified[digest] = key
 
@@ -385,6 +406,7 @@ class LayerStore:
         # would be a broken layer.
         manifest.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
+        path.with_suffix(".verified").unlink(missing_ok=True)
         with self._lock:
             self._verified.pop(digest, None)
         _fsync_dir(self._layers_dir)
