@@ -10,6 +10,8 @@ Example::
     corral bench destroy --count 50 --vs docker --json
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
+    corral bench ondemand --sandboxes 64 --images 8 --json
+    corral bench workspace --sandboxes 64 --json
 """
 
 from __future__ import annotations
@@ -119,6 +121,33 @@ def network_cmd(
     from corral.spec import parse_bytes
 
     return network(opts, count, updates, rounds, parse_bytes(size))
+
+
+@scenario(
+    app,
+    "ondemand",
+    image="python",
+    image_help="Base image with python3 ('python': built once), in --store.",
+)
+def ondemand_cmd(
+    opts: BenchOptions,
+    sandboxes: Annotated[
+        int, typer.Option("--sandboxes", min=1, help="Sandboxes in the burst, per mode.")
+    ] = 64,
+    images: Annotated[int, typer.Option("--images", min=1, help="Distinct images.")] = 8,
+    image_mib: Annotated[
+        int, typer.Option("--image-mib", min=4, help="Toolkit + workspace MiB per image.")
+    ] = 300,
+    link_mbit: Annotated[
+        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
+    ] = 1000,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
+    on demand vs an eager copy to local disk vs layers already local."""
+    from corral.bench.ondemand import ondemand
+
+    return ondemand(opts, sandboxes, images, image_mib, link_mbit, concurrency)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
