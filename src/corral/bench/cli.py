@@ -150,5 +150,29 @@ def ondemand_cmd(
     return ondemand(opts, sandboxes, images, image_mib, link_mbit, concurrency)
 
 
+@scenario(
+    app,
+    "workspace",
+    image="python",
+    image_help="Base image with python3 ('python': built once), in --store.",
+)
+def workspace_cmd(
+    opts: BenchOptions,
+    sandboxes: Annotated[
+        int, typer.Option("--sandboxes", min=1, help="Sandboxes, each with its own repository.")
+    ] = 64,
+    repo_mib: Annotated[int, typer.Option("--repo-mib", min=1, help="MiB per repository.")] = 50,
+    link_mbit: Annotated[
+        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
+    ] = 1000,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """Per-sandbox workspaces from a network store: an EROFS layer of the image vs a
+    tar.gz extracted into the writable layer."""
+    from corral.bench.workspace import workspace
+
+    return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()

@@ -27,6 +27,7 @@ per /proc/diskstats, after a sync: includes whatever else the machine writes mea
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import time
@@ -110,7 +111,9 @@ def open_dfs(opts: BenchOptions, link_mbit: int) -> dfs.MooseStore:
     if why:
         raise SandboxError(f"bench needs a distributed filesystem: {why}")
     work = opts.state_dir.with_name(opts.state_dir.name + "-dfs")
-    fs = dfs.MooseStore(work, name="bench", subnet=60, rate_mbit=link_mbit)
+    # Named after the state dir, so benches of different state dirs do not collide.
+    h = int(hashlib.sha256(str(work).encode()).hexdigest()[:8], 16)
+    fs = dfs.MooseStore(work, name=f"b{h % 16**6:06x}", subnet=64 + h % 128, rate_mbit=link_mbit)
     say(f"starting MooseFS (link {link_mbit} Mbit/s) at {fs.mountpoint}")
     fs.start()
     return fs
