@@ -130,10 +130,18 @@ def test_one_nodes_verification_stands_for_all_until_the_file_changes(
     src.mkdir()
     li = _layer(store, src, "a")
     LayerStore(store.root).verify(li.digest)  # node 1 hashes and stamps
+    stamp = store.path_of(li.digest).with_suffix(".verified")
+    assert stamp.exists()
     hashed: list[Path] = []
     real = store_mod._hash_file
     monkeypatch.setattr(store_mod, "_hash_file", lambda p, s=None: hashed.append(p) or real(p))
-    LayerStore(store.root).verify(li.digest)  # node 2 trusts the stamp
+    # Written in the second of the file's last change: not settled, so hashed again.
+    LayerStore(store.root).verify(li.digest)
+    assert hashed == [store.path_of(li.digest)]
+    hashed.clear()
+    t = time.time() + 3  # as if written 3 s later
+    os.utime(stamp, (t, t))
+    LayerStore(store.root).verify(li.digest)  # node 2 trusts the settled stamp
     assert hashed == []
     path = store.path_of(li.digest)
     data = bytearray(path.read_bytes())

@@ -164,10 +164,19 @@ def publish_images(
         store.put_image(name, [*base_layers, *(li.digest for li in layers)], workdir="/work")
         names.append(name)
         say(f"image {i + 1}/{count}: {name}")
-    for li in store.layers():
-        store.verify(li.digest)
-        drop_cache(store.path_of(li.digest))
+    stamp_all(store)
     return names
+
+
+def stamp_all(store: LayerStore) -> None:
+    """Verify every layer once, as a publisher would, leaving settled stamps (store.py:
+    written 2 s after the file's last change), then evict the files from the page cache.
+    A fresh LayerStore: the builder's instance trusts what it just hashed itself."""
+    time.sleep(2.5)  # set-up only: let the last layer's mtime settle
+    fresh = LayerStore(store.root, timeout=None)
+    for li in fresh.layers():
+        fresh.verify(li.digest)
+        drop_cache(fresh.path_of(li.digest))
 
 
 def copy_store(src: LayerStore, dst: Path) -> LayerStore:
@@ -176,11 +185,10 @@ def copy_store(src: LayerStore, dst: Path) -> LayerStore:
     local = LayerStore(dst)
     for li in src.layers():
         local.add_file(src.path_of(li.digest), kind=li.kind, source=li.source)
-        local.verify(li.digest)
-        drop_cache(local.path_of(li.digest))
     for img in src.images():
         local.put_image(img.name, img.layers, env=img.env, workdir=img.workdir)
     os.sync()
+    stamp_all(local)
     return local
 
 

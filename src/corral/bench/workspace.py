@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from corral.bench.ondemand import MIB, _mode_opts, disk_writes, drop_cache, open_dfs
+from corral.bench.ondemand import MIB, _mode_opts, disk_writes, drop_cache, open_dfs, stamp_all
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.errors import SandboxError
 from corral.images.store import LayerStore
@@ -103,9 +103,7 @@ def publish(
         tars.append(tar_path)
         if k % 8 == 7 or k == count - 1:
             say(f"published {k + 1}/{count} repositories")
-    for li in store.layers():
-        store.verify(li.digest)
-        drop_cache(store.path_of(li.digest))
+    stamp_all(store)
     for t in tars:
         drop_cache(t)
     return names, tars

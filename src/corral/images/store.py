@@ -72,6 +72,7 @@ DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _NAME_MAX = 255
 _CHUNK = 1 << 20
+_SETTLE_NS = 2_000_000_000
 
 
 def check_digest(digest: str, what: str = "layer digest") -> str:
@@ -361,7 +362,11 @@ class LayerStore:
         any change made through the filesystem (a rewrite, a truncation, a replaced file)
         moves the mtime/ctime or inode and forces a new hash; media errors under the
         filesystem are the shared filesystem's to catch (MooseFS, CephFS and 3FS checksum
-        their chunks).
+        their chunks). Some filesystems keep whole seconds only (MooseFS), where a rewrite
+        within the second of the hash would not show: a stamp counts only once it is
+        settled, written at least ``_SETTLE_NS`` after the file's last change by the
+        store's own clock (the stamp file's mtime); an unsettled one is re-hashed and
+        rewritten.
         """
         path = self.path_of(digest)
         st = path.stat()
@@ -371,7 +376,10 @@ class LayerStore:
         stamp_path = path.with_suffix(".verified")
         stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
         try:
-            stamped = stamp_path.read_text() == stamp
+            settled = (
+                stamp_path.stat().st_mtime_ns >= max(st.st_mtime_ns, st.st_ctime_ns) + _SETTLE_NS
+            )
+            stamped = settled and stamp_path.read_text() == stamp
         except (OSError, UnicodeDecodeError):
             stamped = False
         if not stamped:
