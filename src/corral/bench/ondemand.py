@@ -18,6 +18,10 @@ the workspace, and prints a checksum.
   mount (docker pull's cost; no extraction, so a lower bound for it).
 * ``cached``: the layers sit in a store on local disk (copied untimed), page cache cold.
 
+Before each mode the layer files are evicted from the page cache on both sides of the
+link (the node's FUSE pages and the chunkserver's chunk files, which share this
+machine's page cache), so every mode starts cold.
+
 Figures per mode: ``all_ready_s`` (start to the last create answered), ``done_s`` (start
 to the last task finished), ``local_writes_mib`` (sectors written to the state dir's disk
 per /proc/diskstats, after a sync: includes whatever else the machine writes meanwhile),
@@ -220,6 +224,8 @@ async def run_burst(
     run ``task`` in each as soon as it is up; the figures, then everything removed."""
     for p in drop:
         drop_cache(p)
+    if link is not None:
+        link.drop_server_cache()
     cfg = opts.node_config(sandboxes).model_copy(update={"eager_layers": eager})
     sbs: list[Sandbox] = []
     try:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.bench.dfs import MooseStore
 from corral.bench.ondemand import MIB, _mode_opts, disk_writes, drop_cache, open_dfs, stamp_all
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.errors import SandboxError
@@ -110,10 +111,16 @@ def publish(
 
 
 async def _burst(
-    opts: BenchOptions, sandboxes: int, concurrency: int, start: Any, drop: list[Path]
+    opts: BenchOptions,
+    sandboxes: int,
+    concurrency: int,
+    start: Any,
+    drop: list[Path],
+    fs: MooseStore,
 ) -> dict[str, float]:
     for p in drop:
         drop_cache(p)
+    fs.drop_server_cache()
     sbs: list[Sandbox] = []
     try:
         async with AsyncClient(config=opts.node_config(sandboxes)) as client:
@@ -189,7 +196,7 @@ async def workspace(
         ):
             say(f"{mode}: {sandboxes} sandboxes, each with its own repository")
             out[mode] = await _burst(
-                _mode_opts(opts, f"ws{mode}", store.root), sandboxes, concurrency, start, drop
+                _mode_opts(opts, f"ws{mode}", store.root), sandboxes, concurrency, start, drop, fs
             )
         out["speedup"] = round(out["tar"]["done_s"] / out["layer"]["done_s"], 2)
         out["writes_ratio"] = round(
