@@ -16,6 +16,11 @@ outlived the agent); the next agent on that state dir adopts its mounts and rewr
 markers (``LayerMounts.adopt``). A node that never comes back leaves them for the
 operator: ``corral image gc --forget-holder HOLDER`` drops them.
 
+Marker I/O has the store's deadline (images/_bounded.py). Taking a lease while the store
+is unreachable raises StoreUnavailable (the mount would fail anyway); dropping one then
+is skipped, so destroying a sandbox never waits on the store: the marker stays, keeping
+the layer from gc, until the node's next start (``adopt``) drops what it no longer holds.
+
 Example::
 
     leases = Leases(store_root, holder="node-1a2b3c4d5e6f")
@@ -34,7 +39,8 @@ import socket
 import time
 from pathlib import Path
 
-from corral.errors import InvalidRequest
+from corral.errors import InvalidRequest, StoreUnavailable
+from corral.images._bounded import Bounded
 
 __all__ = ["Leases", "check_holder"]
 
@@ -61,9 +67,10 @@ def _hex(digest: str) -> str:
 class Leases:
     """The markers one holder (a node) keeps on the store at ``root``."""
 
-    def __init__(self, root: Path, holder: str) -> None:
+    def __init__(self, root: Path, holder: str, *, timeout: float | None = 10.0) -> None:
         self.dir = Path(root) / "leases"
         self.holder = check_holder(holder)
+        self._io = Bounded(str(root), timeout)
 
     def __repr__(self) -> str:
         return f"Leases({str(self.dir)!r}, {self.holder!r})"
@@ -71,25 +78,41 @@ class Leases:
     def take(self, digest: str) -> None:
         """Mark ``digest`` as mounted by this holder (idempotent)."""
         d = self.dir / _hex(digest)
-        d.mkdir(parents=True, exist_ok=True)
         body = {"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid()}
         body["since"] = time.time()  # type: ignore[assignment]
-        # Written in place, not renamed: gc only asks whether the name exists.
-        with open(d / self.holder, "w") as f:
-            f.write(json.dumps(body))
+
+        def write() -> None:
+            d.mkdir(parents=True, exist_ok=True)
+            # Written in place, not renamed: gc only asks whether the name exists.
+            with open(d / self.holder, "w") as f:
+                f.write(json.dumps(body))
+
+        self._io.call(f"taking a lease on layer {digest}", write)
 
     def drop(self, digest: str) -> None:
-        """Remove this holder's marker of ``digest`` (idempotent)."""
+        """Remove this holder's marker of ``digest`` (idempotent; skipped while the
+        store does not answer)."""
         d = self.dir / _hex(digest)
-        (d / self.holder).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            d.rmdir()  # fails while another holder's marker is there: fine
+
+        def remove() -> None:
+            (d / self.holder).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                d.rmdir()  # fails while another holder's marker is there: fine
+
+        with contextlib.suppress(StoreUnavailable):
+            self._io.call(f"dropping the lease on layer {digest}", remove)
 
     def held(self) -> list[str]:
         """Digests this holder has markers for."""
-        if not self.dir.is_dir():
-            return []
-        return sorted(f"sha256:{d.name}" for d in self.dir.iterdir() if (d / self.holder).exists())
+
+        def scan() -> list[str]:
+            if not self.dir.is_dir():
+                return []
+            return sorted(
+                f"sha256:{d.name}" for d in self.dir.iterdir() if (d / self.holder).exists()
+            )
+
+        return self._io.call("listing leases", scan)
 
     @staticmethod
     def holders_of(root: Path, digest: str) -> list[str]:
