@@ -15,7 +15,8 @@ the set-up short; extraction cost hardly depends on the level).
 Then, in both, the same task: walk the repository (every file stat'ed) and read one file
 in ten. Figures: ``done_s`` (start to the last task done, ``--concurrency`` sandboxes in
 flight), ``writes_mib`` (sectors written to the state dir's disk per /proc/diskstats,
-after a sync; includes whatever else the machine writes meanwhile).
+after a sync; includes whatever else the machine writes meanwhile), ``store_reads_mib``
+(bytes that came over the store's link).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ async def _burst(
             done: list[float] = []
             os.sync()
             w0 = disk_writes(opts.state_dir.parent)
+            r0 = fs.link_bytes()[1]
             t0 = time.monotonic()
 
             async def one(k: int) -> None:
@@ -142,12 +144,17 @@ async def _burst(
             await asyncio.gather(*(one(k) for k in range(sandboxes)))
             os.sync()
             writes = disk_writes(opts.state_dir.parent) - w0
+            reads = fs.link_bytes()[1] - r0
             await asyncio.gather(*(sb.destroy() for sb in sbs))
             sbs.clear()
     finally:
         shutil.rmtree(opts.state_dir, ignore_errors=True)
         shutil.rmtree(opts.run_dir, ignore_errors=True)
-    return {"done_s": round(max(done), 3), "writes_mib": round(writes / MIB, 1)}
+    return {
+        "done_s": round(max(done), 3),
+        "writes_mib": round(writes / MIB, 1),
+        "store_reads_mib": round(reads / MIB, 1),
+    }
 
 
 async def workspace(
