@@ -123,6 +123,16 @@ def network_cmd(
     return network(opts, count, updates, rounds, parse_bytes(size))
 
 
+_Readahead = Annotated[
+    int,
+    typer.Option(
+        "--store-readahead-kib",
+        min=0,
+        help="Read-ahead of the store's client (MooseFS mfsreadaheadleng); 0: its default.",
+    ),
+]
+
+
 @scenario(
     app,
     "ondemand",
@@ -142,12 +152,15 @@ def ondemand_cmd(
         int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
     ] = 1000,
     concurrency: Concurrency = 8,
+    readahead_kib: _Readahead = 0,
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
     from corral.bench.ondemand import ondemand
 
-    return ondemand(opts, sandboxes, images, image_mib, link_mbit, concurrency)
+    return ondemand(
+        opts, sandboxes, images, image_mib, link_mbit, concurrency, readahead_kib or None
+    )
 
 
 @scenario(
@@ -166,12 +179,13 @@ def workspace_cmd(
         int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
     ] = 1000,
     concurrency: Concurrency = 8,
+    readahead_kib: _Readahead = 0,
 ) -> Scenario:
     """Per-sandbox workspaces from a network store: an EROFS layer of the image vs a
     tar.gz extracted into the writable layer."""
     from corral.bench.workspace import workspace
 
-    return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency)
+    return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency, readahead_kib or None)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -69,7 +69,13 @@ def _tc(*args: str) -> None:
 
 class MooseStore:
     """A MooseFS master and chunkserver in netns ``corral-dfs-<name>``, mounted at
-    ``<workdir>/mnt``; the link shaped to ``rate_mbit`` each way."""
+    ``<workdir>/mnt``; the link shaped to ``rate_mbit`` each way.
+
+    ``readahead_kib``: the client's read-ahead (``mfsreadaheadleng``, with a 1 MiB
+    buffer); None keeps MooseFS's default (1 MiB more per read once reads look
+    sequential). Measured: reading 16 KiB every 160 KiB of a 30 MiB file pulled all
+    30 MiB over the link by default, 3.1 MiB with 64 KiB; ``mfsreadaheadsize=0`` means
+    "default", not "off"."""
 
     def __init__(
         self,
@@ -78,12 +84,14 @@ class MooseStore:
         name: str,
         subnet: int = 0,
         rate_mbit: int = 1000,
+        readahead_kib: int | None = None,
     ) -> None:
         if not 0 <= subnet <= 255:
             raise ValueError(f"subnet {subnet} must be 0..255 (10.252.<subnet>.0/24)")
         self.workdir = Path(workdir)
         self.mountpoint = self.workdir / "mnt"
         self.rate_mbit = rate_mbit
+        self.readahead_kib = readahead_kib
         self.host = NetnsHost(
             ns=f"corral-dfs-{name}",
             veth=f"cdfs{name}"[:15],
@@ -168,8 +176,11 @@ class MooseStore:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "mount.log", "wb") as out:
             # Foreground (-f), so the client is our child and is ended by its pid.
+            argv = ["mfsmount", "-f", "-H", self.ip, "-o", "mfsioretries=10"]
+            if self.readahead_kib is not None:
+                argv += ["-o", f"mfsreadaheadsize=1,mfsreadaheadleng={self.readahead_kib << 10}"]
             proc = subprocess.Popen(
-                ["mfsmount", "-f", "-H", self.ip, "-o", "mfsioretries=10", str(self.mountpoint)],
+                [*argv, str(self.mountpoint)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -110,15 +110,22 @@ class Figures:
 # ---------------------------------------------------------------------- set-up
 
 
-def open_dfs(opts: BenchOptions, link_mbit: int) -> dfs.MooseStore:
+def open_dfs(opts: BenchOptions, link_mbit: int, readahead_kib: int | None) -> dfs.MooseStore:
     why = dfs.available()
     if why:
         raise SandboxError(f"bench needs a distributed filesystem: {why}")
     work = opts.state_dir.with_name(opts.state_dir.name + "-dfs")
     # Named after the state dir, so benches of different state dirs do not collide.
     h = int(hashlib.sha256(str(work).encode()).hexdigest()[:8], 16)
-    fs = dfs.MooseStore(work, name=f"b{h % 16**6:06x}", subnet=64 + h % 128, rate_mbit=link_mbit)
-    say(f"starting MooseFS (link {link_mbit} Mbit/s) at {fs.mountpoint}")
+    fs = dfs.MooseStore(
+        work,
+        name=f"b{h % 16**6:06x}",
+        subnet=64 + h % 128,
+        rate_mbit=link_mbit,
+        readahead_kib=readahead_kib,
+    )
+    ra = "client default" if readahead_kib is None else f"{readahead_kib} KiB"
+    say(f"starting MooseFS (link {link_mbit} Mbit/s, read-ahead {ra}) at {fs.mountpoint}")
     fs.start()
     return fs
 
@@ -270,12 +277,13 @@ async def ondemand(
     image_mib: int,
     link_mbit: int,
     concurrency: int,
+    readahead_kib: int | None = None,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
     base_name = await asyncio.to_thread(_ensure_python_image, opts)
     base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(open_dfs, opts, link_mbit)
+    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib)
     gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
     try:
         store = LayerStore(fs.mountpoint / "store", timeout=120)
@@ -298,6 +306,7 @@ async def ondemand(
                 sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
             ),
             "link_mbit": link_mbit,
+            "store_readahead_kib": readahead_kib,
             "concurrency": concurrency,
             "machine": machine(),
             "modes": {},

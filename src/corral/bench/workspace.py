@@ -158,13 +158,18 @@ async def _burst(
 
 
 async def workspace(
-    opts: BenchOptions, sandboxes: int, repo_mib: int, link_mbit: int, concurrency: int
+    opts: BenchOptions,
+    sandboxes: int,
+    repo_mib: int,
+    link_mbit: int,
+    concurrency: int,
+    readahead_kib: int | None = None,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
     base_name = await asyncio.to_thread(_ensure_python_image, opts)
     base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(open_dfs, opts, link_mbit)
+    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib)
     gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
     try:
         store = LayerStore(fs.mountpoint / "store", timeout=120)
@@ -194,6 +199,7 @@ async def workspace(
             "repo_mib": repo_mib,
             "tar_gz_mib": round(sum(t.stat().st_size for t in tars) / len(tars) / MIB, 1),
             "link_mbit": link_mbit,
+            "store_readahead_kib": readahead_kib,
             "concurrency": concurrency,
             "machine": machine(),
         }
