@@ -35,6 +35,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from corral.errors import SandboxError
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Sandbox
 
-__all__ = ["ondemand", "disk_writes", "drop_cache", "open_dfs", "Figures"]
+__all__ = ["ondemand", "disk_writes", "drop_cache", "open_dfs", "stamp_all", "Figures"]
 
 MIB = 1 << 20
 _FILE = 128 << 10
@@ -206,6 +207,15 @@ def copy_store(src: LayerStore, dst: Path) -> LayerStore:
 # ---------------------------------------------------------------------- one mode
 
 
+async def _all(coros: Iterable[Awaitable[None]]) -> None:
+    """Await every one, even when some fail (none is left running against a closing
+    node), then raise the first failure."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
 def _mode_opts(opts: BenchOptions, mode: str, store: Path) -> BenchOptions:
     return BenchOptions(
         state_dir=opts.state_dir.with_name(f"{opts.state_dir.name}-{mode}"),
@@ -255,12 +265,14 @@ async def run_burst(
                     raise SandboxError(f"task failed in {sb.id}: {r.stderr[-500:]!r}")
                 done.append(time.monotonic() - t0)
 
-            await asyncio.gather(*(one(i) for i in range(sandboxes)))
-            os.sync()
-            writes = disk_writes(opts.state_dir.parent) - w0
-            reads = (link.link_bytes()[1] - r0) if link else 0
-            await asyncio.gather(*(sb.destroy() for sb in sbs))
-            sbs.clear()
+            try:
+                await _all(one(i) for i in range(sandboxes))
+                os.sync()
+                writes = disk_writes(opts.state_dir.parent) - w0
+                reads = (link.link_bytes()[1] - r0) if link else 0
+            finally:
+                # Also on failure: a node keeps its sandboxes when it closes.
+                await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
     finally:
         shutil.rmtree(opts.state_dir, ignore_errors=True)
         shutil.rmtree(opts.run_dir, ignore_errors=True)

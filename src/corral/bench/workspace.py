@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from corral.bench.dfs import MooseStore
-from corral.bench.ondemand import MIB, _mode_opts, disk_writes, drop_cache, open_dfs, stamp_all
+from corral.bench.ondemand import (
+    _all,
+    MIB,
+    _mode_opts,
+    disk_writes,
+    drop_cache,
+    open_dfs,
+    stamp_all,
+)
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.errors import SandboxError
 from corral.images.store import LayerStore
@@ -141,12 +149,14 @@ async def _burst(
                         raise SandboxError(f"task failed in {sb.id}: {r.stderr[-500:]!r}")
                 done.append(time.monotonic() - t0)
 
-            await asyncio.gather(*(one(k) for k in range(sandboxes)))
-            os.sync()
-            writes = disk_writes(opts.state_dir.parent) - w0
-            reads = fs.link_bytes()[1] - r0
-            await asyncio.gather(*(sb.destroy() for sb in sbs))
-            sbs.clear()
+            try:
+                await _all(one(k) for k in range(sandboxes))
+                os.sync()
+                writes = disk_writes(opts.state_dir.parent) - w0
+                reads = fs.link_bytes()[1] - r0
+            finally:
+                # Also on failure: a node keeps its sandboxes when it closes.
+                await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
     finally:
         shutil.rmtree(opts.state_dir, ignore_errors=True)
         shutil.rmtree(opts.run_dir, ignore_errors=True)
