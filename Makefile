@@ -5,8 +5,10 @@ PY    := $(VENV)/bin/python
 APT_PACKAGES := runc crun erofs-utils mmdebstrap debootstrap btrfs-progs nftables iproute2 \
                 busybox-static uidmap gcc libc6-dev ca-certificates tar gzip
 # what only the tests need: a real Prometheus, the dashboard's browser, tmux for `corral top`,
-# QEMU for the microVM backend
-TEST_APT_PACKAGES := prometheus chromium tmux qemu-system-x86
+# QEMU for the microVM backend, and the distributed filesystem the shared-store tests and the
+# ondemand bench run the layer store on (corral/bench/dfs.py)
+TEST_APT_PACKAGES := prometheus chromium tmux qemu-system-x86 \
+                     moosefs-master moosefs-chunkserver moosefs-client
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint gen deps test-deps venv bench clean-node

@@ -16,6 +16,7 @@
     ├── SandboxError                 the sandbox is broken or its init does not answer (HTTP 502)
     ├── BuildError                   a layer could not be built
     ├── LayerCorrupt                 a layer file does not match its digest
+    ├── StoreUnavailable             the layer store's filesystem does not answer (HTTP 503)
     ├── HostError                    a kernel facility failed on the node (HTTP 500)
     ├── Unauthorized                 missing or wrong bearer token (HTTP 401)
     └── TransportError               the node could not be reached
@@ -43,6 +44,7 @@ __all__ = [
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
+    "StoreUnavailable",
     "HostError",
     "Unauthorized",
     "TransportError",
@@ -143,6 +145,13 @@ class LayerCorrupt(CorralError):
     status = 500
 
 
+class StoreUnavailable(CorralError):
+    """The layer store's directory (often a network filesystem) did not answer in time
+    or reports its transport gone; sandboxes already running keep their mounted layers."""
+
+    status = 503
+
+
 class HostError(CorralError):
     status = 500
 
@@ -174,6 +183,7 @@ KINDS: dict[str, type[CorralError]] = {
         SandboxError,
         BuildError,
         LayerCorrupt,
+        StoreUnavailable,
         HostError,
         Unauthorized,
         TransportError,

@@ -52,6 +52,7 @@ PUBLIC = {
     "SandboxError",
     "BuildError",
     "LayerCorrupt",
+    "StoreUnavailable",
     "HostError",
     "Unauthorized",
     "TransportError",

@@ -82,6 +82,8 @@ class Meters:
 class HostContext:
     """What the node shares with every backend: built once by the node, never changed."""
 
+    node_id: str
+    """The node's id: its name on shared things (lease markers on the layer store)."""
     state_dir: Path
     run_dir: Path
     cgroups: Cgroups

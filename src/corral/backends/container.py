@@ -114,7 +114,15 @@ class ContainerBackend:
             resolve: Callable[[str], Path] = ctx.store.path_of
             if ctx.eager_layers:
                 resolve = _eager_resolver(ctx.store, ctx.state_dir / "eager")
-            self.layers = LayerMounts(ctx.state_dir / "mnt", resolve, ctx.store.verify, self.userns)
+            # Each mounted layer is leased on the store (a marker file), so that a store gc
+            # run by any node never removes a layer this node has mounted.
+            self.layers = LayerMounts(
+                ctx.state_dir / "mnt",
+                resolve,
+                ctx.store.verify,
+                self.userns,
+                leases=ctx.store.leases(f"node-{ctx.node_id}"),
+            )
             # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
             self.owners = OwnerUids(self._owner_first, self.config.owner_uids)
             opened.append(self.owners.close)

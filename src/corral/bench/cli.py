@@ -13,6 +13,8 @@ Example::
     corral bench microvm --count 8 --json
     corral bench placement --nodes 160 --sandboxes 32768 --json
     corral bench cluster --nodes 3 --count 300 --json
+    corral bench ondemand --sandboxes 64 --images 8 --json
+    corral bench workspace --sandboxes 64 --json
 """
 
 from __future__ import annotations
@@ -179,6 +181,71 @@ def placement_cmd(
     from corral.bench.placement import placement
 
     _run(lambda: placement(nodes, sandboxes, capacity, placers, report_every, k), as_json)
+
+
+_Readahead = Annotated[
+    int,
+    typer.Option(
+        "--store-readahead-kib",
+        min=0,
+        help="Read-ahead of the store's client (MooseFS mfsreadaheadleng); 0: its default.",
+    ),
+]
+
+
+@scenario(
+    app,
+    "ondemand",
+    image="python",
+    image_help="Base image with python3 ('python': built once), in --store.",
+)
+def ondemand_cmd(
+    opts: BenchOptions,
+    sandboxes: Annotated[
+        int, typer.Option("--sandboxes", min=1, help="Sandboxes in the burst, per mode.")
+    ] = 64,
+    images: Annotated[int, typer.Option("--images", min=1, help="Distinct images.")] = 8,
+    image_mib: Annotated[
+        int, typer.Option("--image-mib", min=4, help="Toolkit + workspace MiB per image.")
+    ] = 300,
+    link_mbit: Annotated[
+        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
+    ] = 1000,
+    concurrency: Concurrency = 8,
+    readahead_kib: _Readahead = 0,
+) -> Scenario:
+    """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
+    on demand vs an eager copy to local disk vs layers already local."""
+    from corral.bench.ondemand import ondemand
+
+    return ondemand(
+        opts, sandboxes, images, image_mib, link_mbit, concurrency, readahead_kib or None
+    )
+
+
+@scenario(
+    app,
+    "workspace",
+    image="python",
+    image_help="Base image with python3 ('python': built once), in --store.",
+)
+def workspace_cmd(
+    opts: BenchOptions,
+    sandboxes: Annotated[
+        int, typer.Option("--sandboxes", min=1, help="Sandboxes, each with its own repository.")
+    ] = 64,
+    repo_mib: Annotated[int, typer.Option("--repo-mib", min=1, help="MiB per repository.")] = 50,
+    link_mbit: Annotated[
+        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
+    ] = 1000,
+    concurrency: Concurrency = 8,
+    readahead_kib: _Readahead = 0,
+) -> Scenario:
+    """Per-sandbox workspaces from a network store: an EROFS layer of the image vs a
+    tar.gz extracted into the writable layer."""
+    from corral.bench.workspace import workspace
+
+    return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency, readahead_kib or None)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

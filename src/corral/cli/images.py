@@ -8,6 +8,7 @@ shared store.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Iterator
@@ -493,3 +494,52 @@ def layers(ctx: typer.Context, store_dir: StoreOpt = None, json_out: JsonOpt = F
             ",".join(users.get(li.digest, [])) or "-",
         )
     out().print(table)
+
+
+@app.command("gc")
+def gc(
+    ctx: typer.Context,
+    store_dir: StoreOpt = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only list what would be removed.")
+    ] = False,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            min=0,
+            help="Keep layers touched (built, reused or composed) within this many seconds.",
+        ),
+    ] = 3600.0,
+    forget_holder: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--forget-holder",
+            metavar="HOLDER",
+            help="First drop the leases of this node, gone for good (repeatable).",
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove layers that no image references, no node has mounted (leases on the store)
+    and nothing touched within --grace seconds. Safe with several nodes on one store."""
+    from corral.images.leases import Leases
+
+    store = _store(ctx, store_dir)
+    for holder in forget_holder or []:
+        dropped = Leases.forget(store.root, holder)
+        err().print(f"forgot {len(dropped)} lease(s) of {holder}")
+    report = store.gc(grace=grace, dry_run=dry_run)
+    if _as_json(ctx, json_out):
+        emit_json(dataclasses.asdict(report))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for d in report.removed:
+        typer.echo(f"{verb} {d}")
+    for d, holders in report.kept_leased.items():
+        err().print(f"kept {_short(d)}: mounted by {', '.join(holders)}")
+    err().print(
+        f"{verb} {len(report.removed)} layer(s), {human_bytes(report.freed_bytes)}; kept "
+        f"{report.referenced} referenced, {len(report.kept_leased)} mounted, "
+        f"{len(report.kept_young)} younger than {grace:g} s"
+    )

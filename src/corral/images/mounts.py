@@ -6,9 +6,14 @@ namespace it is also cloned, idmapped to that namespace, at ``<mount_root>/idmap
 — the directory handed to overlayfs as a lower — so host-root files appear owned by the
 sandbox's root.
 
+With ``leases`` (images/leases.py), a marker on the store says which layers this node has
+mounted, so ``corral image gc`` run from any node keeps them: it is taken before a
+layer's first mount and dropped after its last unmount.
+
 Example::
 
-    layers = LayerMounts(Path("/run/corral/layers"), store.path_of, store.verify, userns)
+    layers = LayerMounts(Path("/run/corral/layers"), store.path_of, store.verify, userns,
+                         leases=store.leases("node-1a2b3c4d5e6f"))
     lower = layers.acquire("sha256:ab12...")    # mounts on first use
     ...                                          # overlay over ``lower``
     layers.release("sha256:ab12...")            # unmounted when the last user goes
@@ -23,6 +28,7 @@ from pathlib import Path
 from corral.errors import HostError, InvalidRequest
 from corral.host import mounts
 from corral.host.userns import UserNamespace
+from corral.images.leases import Leases
 
 __all__ = ["LayerMounts"]
 
@@ -44,6 +50,8 @@ class LayerMounts:
         resolve: Callable[[str], Path],
         verify: Callable[[str], None],
         userns: UserNamespace | None,
+        *,
+        leases: Leases | None = None,
     ) -> None:
         self.mount_root = Path(mount_root)
         self.raw_root = self.mount_root / "raw"
@@ -51,6 +59,7 @@ class LayerMounts:
         self._resolve = resolve
         self._verify = verify
         self._userns = userns
+        self._leases = leases
         self._lock = threading.Lock()  # guards _counts and _locks
         self._counts: dict[str, int] = {}
         # One lock per digest, so a slow first mount (verify hashes the whole file)
@@ -84,7 +93,14 @@ class LayerMounts:
                 if self._counts.get(digest, 0) > 0:
                     self._counts[digest] += 1
                     return self._lower(digest)
-            self._mount(digest, raw, idm, verify=True)
+            if self._leases is not None:
+                self._leases.take(digest)  # before the mount: gc never sees it unleased
+            try:
+                self._mount(digest, raw, idm, verify=True)
+            except BaseException:
+                if self._leases is not None:
+                    self._leases.drop(digest)
+                raise
             with self._lock:
                 self._counts[digest] = 1
         return self._lower(digest)
@@ -122,6 +138,8 @@ class LayerMounts:
             self._unmount(raw, idm)
             with self._lock:
                 del self._counts[digest]
+            if self._leases is not None:
+                self._leases.drop(digest)
 
     @staticmethod
     def _unmount(raw: Path, idm: Path) -> None:
@@ -159,9 +177,15 @@ class LayerMounts:
                             pass
         with self._lock:
             self._counts = {}
+        if self._leases is not None:
+            for digest in self._leases.held():
+                if _hex(digest) not in wanted:
+                    self._leases.drop(digest)
         for h, digest in wanted.items():
             raw, idm = self.raw_root / h, self.idmap_root / h
             with self._digest_lock(digest):
+                if self._leases is not None:
+                    self._leases.take(digest)
                 self._mount(digest, raw, idm, verify=not mounts.is_mountpoint(raw))
                 with self._lock:
                     self._counts[digest] = counts[digest]
@@ -180,6 +204,8 @@ class LayerMounts:
             raw, idm = self._paths(d)
             with self._digest_lock(d):
                 self._unmount(raw, idm)
+            if self._leases is not None:
+                self._leases.drop(d)
         for point in mounts.mounts_under(self.mount_root):
             if point != self.mount_root:
                 mounts.umount(point, detach=True)

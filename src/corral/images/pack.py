@@ -124,7 +124,7 @@ def pack_upper(
     mount_dir: Path,
     source: str,
     max_bytes: int,
-    compress: str | None = None,
+    compress: str | None = "lz4",
 ) -> LayerInfo:
     """Scrub and normalize ``upper`` (a private copy, changed in place), then add it to
     ``store`` as a ``snapshot`` layer with image-relative ownership.
@@ -132,8 +132,13 @@ def pack_upper(
     ``inverse``: ``UserNamespace.create(host_uid, id_count, inverse=True)`` (made by the
     caller: creating one forks, which a worker thread should not). ``mount_dir``: an
     empty directory (created, and removed afterwards) for the idmapped view. ``compress``
-    defaults to none: a snapshot is taken while a trainer waits, and lz4 costs ~10x the
-    time of an uncompressed image on data that does not compress.
+    defaults to lz4: snapshots are what makes a shared store grow, and every node that
+    restores one reads it over the network. Measured on 84 MB (a python stdlib tree plus
+    30 MB of random bytes): none 80 MiB, mkfs 0.24 s; lz4 56 MiB (-30%), mkfs 0.93 s;
+    lz4hc 53 MiB, mkfs 18.9 s (never). Reading all of it cold took the same time for
+    all three (0.27 s); warm, lz4 costs +20% CPU (0.079 vs 0.066 s). So lz4 trades
+    ~8 ms per MB packed for 30% fewer bytes stored, sent and cached; pass None where
+    snapshot latency matters more than the store.
 
     ``max_bytes``: mkfs.erofs 1.5 writes a file's holes out as zeros, so a guest's
     ``truncate -s 100T`` costing nothing in its quota would become 100 TB in the store.

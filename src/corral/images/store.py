@@ -4,13 +4,20 @@ Layout (the directory may be a shared filesystem that several builders and nodes
 
     ROOT/layers/<hex>.erofs     the layer, named by the SHA-256 of its bytes
     ROOT/layers/<hex>.json      its LayerInfo
+    ROOT/layers/<hex>.verified  stamp: the file as it was when some node last hashed it
     ROOT/images/<quoted>.json   an ImageInfo, the name percent-quoted into one file name
     ROOT/tmp/                   files being written; renamed into place when complete
+    ROOT/leases/<hex>/<holder>  node <holder> has the layer mounted (images/leases.py)
 
 Every write goes to a unique file in ``tmp/`` (same filesystem), is fsynced, and is then
 linked or renamed into place, so a reader never sees a partial file and two builders of
 the same layer cannot corrupt each other: both produce the same bytes and the second
 simply finds the first one's file.
+
+Reads that a node makes on its request path (``image``, ``images``, ``layer``,
+``path_of``) have a deadline (``timeout``): a network store whose servers are gone gives
+:class:`StoreUnavailable` instead of hanging the node (images/_bounded.py). Unused layers
+are removed by :meth:`LayerStore.gc` (images/storegc.py).
 
 Example::
 
@@ -22,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import hashlib
@@ -47,11 +55,15 @@ from corral.errors import (
     LayerNotFound,
 )
 from corral.images import erofs
+from corral.images._bounded import Bounded
 from corral.images._progress import Step
+from corral.images.leases import Leases
 from corral.spec import ImageInfo, LayerInfo
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+
+    from corral.images.storegc import GcReport
 
 __all__ = ["LayerStore", "check_digest", "check_image_name", "image_digest", "DIGEST_RE"]
 
@@ -60,6 +72,7 @@ DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
 _NAME_MAX = 255
 _CHUNK = 1 << 20
+_SETTLE_NS = 2_000_000_000
 
 
 def check_digest(digest: str, what: str = "layer digest") -> str:
@@ -112,18 +125,27 @@ def _hash_file(path: Path, step: Step | None = None) -> str:
 class LayerStore:
     """Content-addressed EROFS layers and image manifests under ``root``."""
 
-    def __init__(self, root: Path, *, compress: str | None = "lz4") -> None:
+    def __init__(
+        self, root: Path, *, compress: str | None = "lz4", timeout: float | None = 10.0
+    ) -> None:
         """Open (creating if needed) the store at ``root``.
 
         ``compress``: what ``add_dir`` passes to mkfs.erofs (``"lz4"``, ``"lz4hc"`` or None).
+        ``timeout``: seconds a metadata read may take before StoreUnavailable (None: wait
+        as long as the filesystem does).
         """
         self.root = Path(root)
         self.compress = compress
+        self._io = Bounded(str(self.root), timeout)
         self._layers_dir = self.root / "layers"
         self._images_dir = self.root / "images"
         self._tmp_dir = self.root / "tmp"
-        for d in (self._layers_dir, self._images_dir, self._tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
+
+        def make_dirs() -> None:
+            for d in (self._layers_dir, self._images_dir, self._tmp_dir):
+                d.mkdir(parents=True, exist_ok=True)
+
+        self._io.call("opening it", make_dirs)
         self._verified: dict[str, tuple[int, int, int, int]] = {}
         self._lock = threading.Lock()
 
@@ -181,6 +203,9 @@ class LayerStore:
         self._place(tmp, dest)
         if manifest.exists():
             # Deduplicated: the first build's record (its kind, source and time) stands.
+            # Touched, so gc's grace period counts from this build, whose image manifest
+            # is not written yet.
+            self._touch(manifest)
             try:
                 return self.layer(digest)
             except (LayerNotFound, LayerCorrupt):
@@ -267,8 +292,29 @@ class LayerStore:
         hex_ = check_digest(digest).split(":", 1)[1]
         return self._layers_dir / f"{hex_}.erofs", self._layers_dir / f"{hex_}.json"
 
+    @staticmethod
+    def _touch(path: Path) -> None:
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            pass
+
+    def leases(self, holder: str) -> Leases:
+        """The lease markers of node ``holder`` on this store (for ``LayerMounts``)."""
+        return Leases(self.root, holder)
+
+    def gc(self, *, grace: float = 3600.0, dry_run: bool = False) -> GcReport:
+        """Remove layers no image references, no node has leased, and untouched for
+        ``grace`` seconds (see images/storegc.py)."""
+        from corral.images.storegc import collect
+
+        return collect(self, grace=grace, dry_run=dry_run)
+
     def layer(self, digest: str) -> LayerInfo:
         """The record of one layer; LayerNotFound if the store does not have it."""
+        return self._io.call(f"reading layer {digest}", lambda: self._layer(digest))
+
+    def _layer(self, digest: str) -> LayerInfo:
         _, manifest = self._layer_paths(digest)
         try:
             data = manifest.read_bytes()
@@ -283,6 +329,9 @@ class LayerStore:
 
     def layers(self) -> list[LayerInfo]:
         """Every layer, oldest first."""
+        return self._io.call("listing layers", self._list_layers)
+
+    def _list_layers(self) -> list[LayerInfo]:
         out = []
         for p in self._layers_dir.glob("*.json"):
             try:
@@ -294,7 +343,7 @@ class LayerStore:
     def path_of(self, digest: str) -> Path:
         """The ``.erofs`` file of a layer (LayerNotFound if absent)."""
         path, _ = self._layer_paths(digest)
-        if not path.is_file():
+        if not self._io.call(f"finding layer {digest}", path.is_file):
             raise LayerNotFound(f"layer {digest} has no file in the store at {self.root}")
         return path
 
@@ -304,21 +353,52 @@ class LayerStore:
         A good result is remembered per (device, inode, size, mtime) of the file, so a
         node pays for the hash once per layer, and a replaced or rewritten file is checked
         again.
+
+        It is also stamped on the store (``<hex>.verified``: inode, size, mtime, ctime of
+        the file that hashed right), so on a shared store one node's full read stands for
+        all: another node whose view of the file matches the stamp skips the hash. Without
+        that, every node would read every byte of every layer it mounts over the network,
+        and on-demand loading would read as much as an eager copy. What the stamp trusts:
+        any change made through the filesystem (a rewrite, a truncation, a replaced file)
+        moves the mtime/ctime or inode and forces a new hash; media errors under the
+        filesystem are the shared filesystem's to catch (MooseFS, CephFS and 3FS checksum
+        their chunks). Some filesystems keep whole seconds only (MooseFS), where a rewrite
+        within the second of the hash would not show: a stamp counts only once it is
+        settled, written at least ``_SETTLE_NS`` after the file's last change by the
+        store's own clock (the stamp file's mtime); an unsettled one is re-hashed and
+        rewritten.
         """
         path = self.path_of(digest)
         st = path.stat()
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if self._verified.get(digest) == key:
             return
-        actual = _hash_file(path)
-        if actual != digest:
-            with self._lock:
-                self._verified.pop(digest, None)
-            raise LayerCorrupt(
-                f"layer file {path} is corrupt: its content hashes to {actual}, not {digest}"
+        stamp_path = path.with_suffix(".verified")
+        stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
+        try:
+            settled = (
+                stamp_path.stat().st_mtime_ns >= max(st.st_mtime_ns, st.st_ctime_ns) + _SETTLE_NS
             )
+            stamped = settled and stamp_path.read_text() == stamp
+        except (OSError, UnicodeDecodeError):
+            stamped = False
+        if not stamped:
+            actual = _hash_file(path)
+            if actual != digest:
+                with self._lock:
+                    self._verified.pop(digest, None)
+                raise LayerCorrupt(
+                    f"layer file {path} is corrupt: its content hashes to {actual}, not {digest}"
+                )
+            with contextlib.suppress(OSError):  # a read-only store: every node hashes
+                self._write_atomic(stamp_path, stamp.encode())
         with self._lock:
             self._verified[digest] = key
+
+    def forget_verified(self, digest: str) -> None:
+        """Drop the remembered good hash of ``digest`` (its file was removed)."""
+        with self._lock:
+            self._verified.pop(digest, None)
 
     def remove_layer(self, digest: str) -> None:
         """Delete a layer; Conflict if an image references it."""
@@ -334,6 +414,7 @@ class LayerStore:
         # would be a broken layer.
         manifest.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
+        path.with_suffix(".verified").unlink(missing_ok=True)
         with self._lock:
             self._verified.pop(digest, None)
         _fsync_dir(self._layers_dir)
@@ -360,11 +441,7 @@ class LayerStore:
             raise InvalidRequest(f"image {name!r} needs at least one layer")
         for d in layers:
             check_digest(d)
-        missing = [d for d in layers if not self._layer_paths(d)[1].exists()]
-        if missing:
-            raise LayerNotFound(
-                f"image {name!r} names layer(s) not in the store: {', '.join(missing)}"
-            )
+        self._touch_layers(name, layers)
         env = dict(env or {})
         if not isinstance(workdir, str) or not workdir.startswith("/"):
             raise InvalidRequest(f"image {name!r}: workdir {workdir!r} must be an absolute path")
@@ -379,13 +456,33 @@ class LayerStore:
         except ValidationError as e:
             raise InvalidRequest(f"image {name!r}: {e}") from None
         self._write_atomic(self._image_path(name), info.model_dump_json(indent=1).encode())
+        # A gc that decided between the touch above and the write may have removed a
+        # layer meanwhile: checked again, so such an image is reported, not left broken.
+        self._touch_layers(name, layers)
         return info
+
+    def _touch_layers(self, name: str, layers: list[str]) -> None:
+        """Reset gc's grace period of every layer of a manifest being written; LayerNotFound
+        for layers not in the store."""
+        missing = []
+        for d in layers:
+            try:
+                os.utime(self._layer_paths(d)[1])
+            except FileNotFoundError:
+                missing.append(d)
+        if missing:
+            raise LayerNotFound(
+                f"image {name!r} names layer(s) not in the store: {', '.join(missing)}"
+            )
 
     def image(self, ref: str) -> ImageInfo:
         """An image by name or by ``sha256:`` manifest digest; ImageNotFound lists near names."""
+        return self._io.call(f"reading image {ref!r}", lambda: self._image(ref))
+
+    def _image(self, ref: str) -> ImageInfo:
         if isinstance(ref, str) and ref.startswith("sha256:"):
             check_digest(ref, "image digest")
-            for info in self.images():
+            for info in self._list_images():
                 if info.digest == ref:
                     return info
             raise ImageNotFound(f"no image in the store at {self.root} has digest {ref}")
@@ -394,7 +491,7 @@ class LayerStore:
             return ImageInfo.model_validate_json(self._image_path(ref).read_bytes())
         except FileNotFoundError:
             pass
-        names = [i.name for i in self.images()]
+        names = [i.name for i in self._list_images()]
         close = difflib.get_close_matches(ref, names, n=5, cutoff=0.5)
         hint = (
             f"; did you mean {', '.join(close)}?"
@@ -407,6 +504,9 @@ class LayerStore:
 
     def images(self) -> list[ImageInfo]:
         """Every image, by name."""
+        return self._io.call("listing images", self._list_images)
+
+    def _list_images(self) -> list[ImageInfo]:
         out = []
         for p in self._images_dir.glob("*.json"):
             try:

@@ -95,6 +95,7 @@ async def open_host(
     closers.append(security.close)
     network = NodeNetwork(cfg.network, cfg.cgroup_subtree, cfg.state_dir, state.add_event)
     ctx = HostContext(
+        node_id=node_id,
         state_dir=cfg.state_dir,
         run_dir=cfg.run_dir,
         cgroups=cgroups,

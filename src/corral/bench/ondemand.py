@@ -1,0 +1,353 @@
+"""``corral bench ondemand``: a burst of sandboxes on a cold node, layers read on demand
+from a network store, against an eager copy (what ``docker pull`` does) and a node whose
+layers are already on local disk.
+
+Set-up (untimed): a MooseFS store behind a shaped link (bench/dfs.py); ``--images``
+images of ``--image-mib`` each in it, every one base (a Debian image with python3,
+shared) + toolkit (a package of modules and data files nobody reads) + workspace (a tree
+of files of which the task reads one in ten); each layer verified once, as a publisher
+would (store.py stamps), and then dropped from the page cache.
+
+Each mode opens a fresh node (its own state dir), and ``--sandboxes`` sandboxes,
+spread round-robin over the images, are created ``--concurrency`` at a time; each runs
+the task as soon as it is up: imports five modules of its toolkit, reads its sample of
+the workspace, and prints a checksum.
+
+* ``ondemand``: the node mounts the layers straight from the network store.
+* ``eager``: ``eager_layers``: each layer is copied whole to local disk before its first
+  mount (docker pull's cost; no extraction, so a lower bound for it).
+* ``cached``: the layers sit in a store on local disk (copied untimed), page cache cold.
+
+Before each mode the layer files are evicted from the page cache on both sides of the
+link (the node's FUSE pages and the chunkserver's chunk files, which share this
+machine's page cache), so every mode starts cold.
+
+Figures per mode: ``all_ready_s`` (start to the last create answered), ``done_s`` (start
+to the last task finished), ``local_writes_mib`` (sectors written to the state dir's disk
+per /proc/diskstats, after a sync: includes whatever else the machine writes meanwhile),
+``store_reads_mib`` (bytes that came over the store's link).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.bench import dfs
+from corral.bench.scenarios import BenchOptions, machine, say
+from corral.errors import SandboxError
+from corral.images.store import LayerStore
+from corral.sdk import AsyncClient, Sandbox
+
+__all__ = ["ondemand", "disk_writes", "drop_cache", "open_dfs", "stamp_all", "Figures"]
+
+MIB = 1 << 20
+_FILE = 128 << 10
+_MODULES = 40
+
+TASK = r"""
+import importlib, os, sys, zlib
+sys.path.insert(0, "/opt/tk")
+for j in range(5):
+    importlib.import_module(f"tk.mod{j}")
+acc = 0
+for root, dirs, files in os.walk("/work/repo"):
+    dirs.sort()
+    for name in sorted(files)[::10]:
+        with open(os.path.join(root, name), "rb") as f:
+            acc = zlib.crc32(f.read(), acc)
+print(acc)
+"""
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+def _device(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return os.major(st.st_dev), os.minor(st.st_dev)
+
+
+def disk_writes(path: Path) -> int:
+    """Bytes written so far to the block device holding ``path`` (0 if it has none)."""
+    major, minor = _device(path)
+    with open("/proc/diskstats") as f:
+        for line in f:
+            p = line.split()
+            if int(p[0]) == major and int(p[1]) == minor:
+                return int(p[9]) * 512
+    return 0
+
+
+def drop_cache(path: Path) -> None:
+    """Evict one file from the page cache (cold reads without dropping the machine's)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Figures:
+    """One mode's result."""
+
+    all_ready_s: float
+    done_s: float
+    local_writes_mib: float
+    store_reads_mib: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.__dict__.items()}
+
+
+# ---------------------------------------------------------------------- set-up
+
+
+def open_dfs(opts: BenchOptions, link_mbit: int, readahead_kib: int | None) -> dfs.MooseStore:
+    why = dfs.available()
+    if why:
+        raise SandboxError(f"bench needs a distributed filesystem: {why}")
+    work = opts.state_dir.with_name(opts.state_dir.name + "-dfs")
+    # Named after the state dir, so benches of different state dirs do not collide.
+    h = int(hashlib.sha256(str(work).encode()).hexdigest()[:8], 16)
+    fs = dfs.MooseStore(
+        work,
+        name=f"b{h % 16**6:06x}",
+        subnet=64 + h % 128,
+        rate_mbit=link_mbit,
+        readahead_kib=readahead_kib,
+    )
+    ra = "client default" if readahead_kib is None else f"{readahead_kib} KiB"
+    say(f"starting MooseFS (link {link_mbit} Mbit/s, read-ahead {ra}) at {fs.mountpoint}")
+    fs.start()
+    return fs
+
+
+def _fill(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(os.urandom(size))
+
+
+def _toolkit(root: Path, size: int) -> None:
+    pkg = root / "opt" / "tk" / "tk"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for j in range(_MODULES):
+        blob = os.urandom(4096).hex()
+        (pkg / f"mod{j}.py").write_text(f"DATA = {blob!r}\n\ndef f(x):\n    return x + {j}\n")
+    left, k = size - _MODULES * 8300, 0
+    while left > 0:
+        _fill(root / "opt" / "tk" / "data" / f"blob{k}.bin", min(left, 4 * MIB))
+        left -= 4 * MIB
+        k += 1
+
+
+def _workspace(root: Path, size: int) -> None:
+    for k in range(max(1, size // _FILE)):
+        _fill(root / "work" / "repo" / f"d{k // 64:03d}" / f"f{k:05d}.dat", _FILE)
+
+
+def publish_images(
+    store: LayerStore, base_layers: list[str], count: int, image_mib: int, gen: Path
+) -> list[str]:
+    """``count`` images base + toolkit + workspace in ``store``; every layer verified once
+    (stamped) and then evicted from the page cache."""
+    names = []
+    for i in range(count):
+        tk, ws = gen / f"tk{i}", gen / f"ws{i}"
+        for d in (tk, ws):
+            shutil.rmtree(d, ignore_errors=True)
+        _toolkit(tk, image_mib * MIB * 2 // 3)
+        _workspace(ws, image_mib * MIB // 3)
+        layers = [
+            store.add_dir(d, kind="dir", source=f"bench-{d.name}", compress=None) for d in (tk, ws)
+        ]
+        shutil.rmtree(tk)
+        shutil.rmtree(ws)
+        name = f"bench/ondemand-{i}"
+        store.put_image(name, [*base_layers, *(li.digest for li in layers)], workdir="/work")
+        names.append(name)
+        say(f"image {i + 1}/{count}: {name}")
+    stamp_all(store)
+    return names
+
+
+def stamp_all(store: LayerStore) -> None:
+    """Verify every layer once, as a publisher would, leaving settled stamps (store.py:
+    written 2 s after the file's last change), then evict the files from the page cache.
+    A fresh LayerStore: the builder's instance trusts what it just hashed itself."""
+    time.sleep(2.5)  # set-up only: let the last layer's mtime settle
+    fresh = LayerStore(store.root, timeout=None)
+    for li in fresh.layers():
+        fresh.verify(li.digest)
+        drop_cache(fresh.path_of(li.digest))
+
+
+def copy_store(src: LayerStore, dst: Path) -> LayerStore:
+    """A local copy of every layer and image of ``src`` (the cached baseline's store)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    local = LayerStore(dst)
+    for li in src.layers():
+        local.add_file(src.path_of(li.digest), kind=li.kind, source=li.source)
+    for img in src.images():
+        local.put_image(img.name, img.layers, env=img.env, workdir=img.workdir)
+    os.sync()
+    stamp_all(local)
+    return local
+
+
+# ---------------------------------------------------------------------- one mode
+
+
+async def _all(coros: Iterable[Awaitable[None]]) -> None:
+    """Await every one, even when some fail (none is left running against a closing
+    node), then raise the first failure."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+def _mode_opts(opts: BenchOptions, mode: str, store: Path) -> BenchOptions:
+    return BenchOptions(
+        state_dir=opts.state_dir.with_name(f"{opts.state_dir.name}-{mode}"),
+        run_dir=opts.run_dir.with_name(f"{opts.run_dir.name}-{mode}"),
+        subtree=f"{opts.subtree}-{mode}",
+        store=store,
+        runtime=opts.runtime,
+    )
+
+
+async def run_burst(
+    opts: BenchOptions,
+    *,
+    eager: bool,
+    images: list[str],
+    sandboxes: int,
+    concurrency: int,
+    task: list[str],
+    link: dfs.MooseStore | None,
+    drop: list[Path],
+) -> Figures:
+    """Open a fresh node, create ``sandboxes`` sandboxes of ``images`` (round-robin) and
+    run ``task`` in each as soon as it is up; the figures, then everything removed."""
+    for p in drop:
+        drop_cache(p)
+    if link is not None:
+        link.drop_server_cache()
+    cfg = opts.node_config(sandboxes).model_copy(update={"eager_layers": eager})
+    sbs: list[Sandbox] = []
+    try:
+        async with AsyncClient(config=cfg) as client:
+            sem = asyncio.Semaphore(concurrency)
+            ready: list[float] = []
+            done: list[float] = []
+            os.sync()
+            w0 = disk_writes(opts.state_dir.parent)
+            r0 = link.link_bytes()[1] if link else 0
+            t0 = time.monotonic()
+
+            async def one(i: int) -> None:
+                async with sem:
+                    sb = await client.sandboxes.create(image=images[i % len(images)])
+                    sbs.append(sb)
+                    ready.append(time.monotonic() - t0)
+                r = await sb.exec(task, timeout=600)
+                if r.exit_code != 0:
+                    raise SandboxError(f"task failed in {sb.id}: {r.stderr[-500:]!r}")
+                done.append(time.monotonic() - t0)
+
+            try:
+                await _all(one(i) for i in range(sandboxes))
+                os.sync()
+                writes = disk_writes(opts.state_dir.parent) - w0
+                reads = (link.link_bytes()[1] - r0) if link else 0
+            finally:
+                # Also on failure: a node keeps its sandboxes when it closes.
+                await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
+    finally:
+        shutil.rmtree(opts.state_dir, ignore_errors=True)
+        shutil.rmtree(opts.run_dir, ignore_errors=True)
+    return Figures(max(ready), max(done), writes / MIB, reads / MIB)
+
+
+# ---------------------------------------------------------------------- the scenario
+
+
+async def ondemand(
+    opts: BenchOptions,
+    sandboxes: int,
+    images: int,
+    image_mib: int,
+    link_mbit: int,
+    concurrency: int,
+    readahead_kib: int | None = None,
+) -> dict[str, Any]:
+    from corral.bench.fncall import _ensure_python_image
+
+    base_name = await asyncio.to_thread(_ensure_python_image, opts)
+    base = LayerStore(opts.store_dir).image(base_name)
+    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib)
+    gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
+    try:
+        store = LayerStore(fs.mountpoint / "store", timeout=120)
+        local = LayerStore(opts.store_dir)
+        for d in base.layers:
+            await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
+        say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
+        names = await asyncio.to_thread(publish_images, store, base.layers, images, image_mib, gen)
+        cached_dir = gen / "cached-store"
+        cached = await asyncio.to_thread(copy_store, store, cached_dir)
+        layer_files = [store.path_of(li.digest) for li in store.layers()]
+        cached_files = [cached.path_of(li.digest) for li in cached.layers()]
+        task = ["python3", "-c", TASK]
+        out: dict[str, Any] = {
+            "scenario": "ondemand",
+            "sandboxes": sandboxes,
+            "images": images,
+            "image_mib": image_mib,
+            "image_bytes_mib": round(
+                sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
+            ),
+            "link_mbit": link_mbit,
+            "store_readahead_kib": readahead_kib,
+            "concurrency": concurrency,
+            "machine": machine(),
+            "modes": {},
+        }
+        runs = (
+            ("ondemand", False, store.root, layer_files),
+            ("eager", True, store.root, layer_files),
+            ("cached", False, cached.root, cached_files),
+        )
+        for mode, eager, root, drop in runs:
+            say(f"{mode}: {sandboxes} sandboxes over {images} images on a cold node")
+            fig = await run_burst(
+                _mode_opts(opts, mode, root),
+                eager=eager,
+                images=[n for n in names],
+                sandboxes=sandboxes,
+                concurrency=concurrency,
+                task=task,
+                link=fs,
+                drop=drop,
+            )
+            out["modes"][mode] = fig.as_dict()
+        m = out["modes"]
+        out["speedup_vs_eager"] = round(m["eager"]["done_s"] / m["ondemand"]["done_s"], 2)
+        out["writes_ratio_vs_eager"] = round(
+            m["ondemand"]["local_writes_mib"] / max(m["eager"]["local_writes_mib"], 0.001), 3
+        )
+        out["vs_cached"] = round(m["ondemand"]["done_s"] / m["cached"]["done_s"], 2)
+        return out
+    finally:
+        await asyncio.to_thread(shutil.rmtree, gen, True)
+        await asyncio.to_thread(fs.stop)

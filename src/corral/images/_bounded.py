@@ -1,0 +1,91 @@
+"""Store calls with a deadline: a network filesystem that stops answering must not hang
+the node.
+
+When the servers of a FUSE or network filesystem go away, a ``stat`` or ``read`` on it
+blocks in the kernel until the client gives up (MooseFS: minutes; an NFS hard mount:
+forever), and SIGTERM does not interrupt it. The node reads the store from its event
+loop (``store.image`` on every create), so one such call would freeze every sandbox's
+exec too. Here each call runs in a daemon thread and the caller waits at most
+``timeout`` seconds; past that it gets :class:`StoreUnavailable` and the thread is left
+to finish whenever the filesystem answers. While that stuck call is still pending, later
+calls fail at once instead of piling up more stuck threads.
+
+Errors that mean "the transport is gone" (ENOTCONN of a dead FUSE daemon, EIO, ESTALE,
+EHOSTDOWN...) become StoreUnavailable too; other errors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from corral.errors import StoreUnavailable
+
+__all__ = ["Bounded"]
+
+T = TypeVar("T")
+
+_GONE = frozenset(
+    {errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+     errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET, errno.ENETUNREACH}
+)  # fmt: skip
+
+
+class _Call:
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # handed to the waiting caller
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class Bounded:
+    """Run store I/O with a deadline (None: call directly, no thread)."""
+
+    def __init__(self, root: str, timeout: float | None) -> None:
+        self.root = root
+        self.timeout = timeout
+        self._stuck: _Call | None = None
+
+    def _unavailable(self, what: str, why: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the layer store at {self.root} is unavailable ({what}: {why}); check that its "
+            f"filesystem is mounted and its servers are reachable. Sandboxes already running "
+            f"keep their mounted layers"
+        )
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, or StoreUnavailable if it takes longer than the timeout."""
+        if self.timeout is None:
+            return self._translate(what, fn)
+        stuck = self._stuck
+        if stuck is not None:
+            if not stuck.done.is_set():
+                raise self._unavailable(what, "an earlier call has not returned yet")
+            self._stuck = None
+        call = _Call(lambda: self._translate(what, fn))
+        threading.Thread(target=call.run, name="corral-store-io", daemon=True).start()
+        if not call.done.wait(self.timeout):
+            self._stuck = call
+            raise self._unavailable(what, f"no answer within {self.timeout:g} s")
+        if call.error is not None:
+            raise call.error
+        return call.value  # type: ignore[return-value]
+
+    def _translate(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except OSError as e:
+            if e.errno in _GONE:
+                raise self._unavailable(what, e.strerror or str(e)) from None
+            raise

@@ -1,0 +1,64 @@
+"""``corral bench ondemand`` and ``workspace`` end to end at tiny sizes: each starts its
+own MooseFS (bench/dfs.py), and the last stdout line has the keys issue 16 names."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from corral.bench import dfs
+from tests.conftest import TAG, TEST_STORE
+from tests.integration.conftest import run_bench
+
+STATE = Path(f"/var/lib/corral-test{TAG}-sbench")
+RUN = Path(f"/run/corral-test{TAG}-sbench")
+MODE = ("all_ready_s", "done_s", "local_writes_mib", "store_reads_mib")
+
+pytestmark = pytest.mark.heavy
+
+
+@pytest.fixture(scope="module")
+def bench(images_ready):  # type: ignore[no-untyped-def]
+    if why := dfs.available():
+        pytest.skip(why)
+
+    def run(*args: str) -> dict:  # type: ignore[type-arg]
+        return run_bench(
+            *args,
+            state=STATE,
+            run=RUN,
+            subtree=f"corral-test{TAG}-sbench",
+            store=TEST_STORE,
+            image="test/debian",  # has python3
+            timeout=900,
+        )
+
+    try:
+        yield run
+    finally:
+        for p in (RUN, STATE):
+            shutil.rmtree(p, ignore_errors=True)
+        left = sorted(STATE.parent.glob(f"{STATE.name}-*"))  # -dfs, -gen, one per mode
+        assert left == [], f"the bench left {left}"
+
+
+def test_ondemand_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("ondemand", "--sandboxes", "4", "--images", "2", "--image-mib", "8")
+    assert out["scenario"] == "ondemand"
+    assert set(out["modes"]) == {"ondemand", "eager", "cached"}
+    for mode in out["modes"].values():
+        assert set(MODE) <= set(mode)
+        assert mode["done_s"] >= mode["all_ready_s"] > 0
+    assert out["modes"]["eager"]["store_reads_mib"] > out["modes"]["ondemand"]["store_reads_mib"]
+    for k in ("speedup_vs_eager", "writes_ratio_vs_eager", "vs_cached"):
+        assert out[k] > 0, k
+
+
+def test_workspace_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("workspace", "--sandboxes", "3", "--repo-mib", "2")
+    assert out["scenario"] == "workspace"
+    for side in ("layer", "tar"):
+        assert out[side]["done_s"] > 0 and out[side]["writes_mib"] >= 0
+    assert out["speedup"] > 0 and out["writes_ratio"] > 0
