@@ -20,6 +20,7 @@ from tests.integration.conftest import open_node
 
 e2b = pytest.importorskip("e2b", reason="needs the e2b extra: pip install 'corral[e2b]'")
 from e2b import AsyncSandbox  # noqa: E402
+from e2b import CommandExitException  # noqa: E402
 from e2b.exceptions import (  # noqa: E402
     AuthenticationException,
     NotFoundException,
@@ -75,3 +76,190 @@ async def test_create_run_and_kill(e2b_env: Node) -> None:
     finally:
         assert await sb.kill()
     assert (await e2b_env.sandbox_list(labels={"e2b": "test/debian"})) == []
+
+
+async def test_foreground_exit_code_env_and_cwd(sbx: AsyncSandbox) -> None:
+    r = await sbx.commands.run("echo $FOO; pwd", envs={"FOO": "bar"}, cwd="/tmp")
+    assert r.stdout == "bar\n/tmp\n"
+    with pytest.raises(CommandExitException) as ei:
+        await sbx.commands.run("echo out; exit 3")
+    assert ei.value.exit_code == 3
+    assert ei.value.stdout == "out\n"
+    r = await sbx.commands.run("id -u", user="root")
+    assert r.stdout == "0\n"
+
+
+async def test_streaming_callbacks_and_background(sbx: AsyncSandbox) -> None:
+    seen: list[str] = []
+    r = await sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append)
+    assert "".join(seen) == "1\n2\n3\n" == r.stdout
+    # a background process: listed while it runs, killed by pid, ends exactly once
+    h = await sbx.commands.run("sleep 600", background=True)
+    pids = [p.pid for p in await sbx.commands.list()]
+    assert h.pid in pids
+    assert await sbx.commands.kill(h.pid)
+    with pytest.raises(CommandExitException):
+        await h.wait()
+    assert h.pid not in [p.pid for p in await sbx.commands.list()]
+    assert not await sbx.commands.kill(h.pid)
+
+
+async def test_stdin_and_a_second_client(sbx: AsyncSandbox) -> None:
+    h = await sbx.commands.run(
+        "read a; echo got:$a; read b; echo got:$b", background=True, stdin=True
+    )
+    # a second client attaches to the running process and sees what follows
+    other: list[str] = []
+    h2 = await sbx.commands.connect(h.pid, on_stdout=other.append)
+    await sbx.commands.send_stdin(h.pid, "one\n")
+    await sbx.commands.send_stdin(h.pid, "two\n")
+    r = await h.wait()
+    assert r.exit_code == 0
+    assert r.stdout == "got:one\ngot:two\n"
+    r2 = await h2.wait()
+    assert r2.exit_code == 0
+    assert "got:two" in "".join(other)
+
+
+async def test_disconnect_does_not_kill(sbx: AsyncSandbox) -> None:
+    h = await sbx.commands.run("sleep 1; echo done > /tmp/flag", background=True)
+    await h.disconnect()
+    again = await sbx.commands.connect(h.pid)
+    r = await again.wait()
+    assert r.exit_code == 0
+    assert await sbx.files.read("/tmp/flag") == "done\n"
+
+
+async def test_files_round_trip(sbx: AsyncSandbox) -> None:
+    blob = bytes(range(256)) * 4096 + b"\x00\xff"  # 1 MiB + 2, every byte value
+    await sbx.files.write("data/blob.bin", blob)
+    assert await sbx.files.read("data/blob.bin", format="bytes") == blob
+    assert await sbx.files.read("/home/user/data/blob.bin", format="bytes") == blob
+    r = await sbx.commands.run("stat -c '%U %s' data/blob.bin")
+    assert r.stdout == f"user {len(blob)}\n"
+    await sbx.files.write_files(
+        [{"path": "/tmp/a.txt", "data": "A"}, {"path": "/tmp/b.txt", "data": b"B"}]
+    )
+    names = {e.name for e in await sbx.files.list("/tmp")}
+    assert {"a.txt", "b.txt"} <= names
+    assert await sbx.files.exists("/tmp/a.txt")
+    assert not await sbx.files.exists("/tmp/nope")
+    assert await sbx.files.make_dir("newdir")
+    assert not await sbx.files.make_dir("newdir")
+    info = await sbx.files.rename("/tmp/a.txt", "newdir/a.txt")
+    assert info.path == "/home/user/newdir/a.txt"
+    assert (await sbx.files.get_info("newdir/a.txt")).size == 1
+    await sbx.files.remove("newdir")
+    assert not await sbx.files.exists("newdir")
+    with pytest.raises(NotFoundException):
+        await sbx.files.read("/nope/at/all")
+
+
+async def test_watch_dir(sbx: AsyncSandbox) -> None:
+    await sbx.files.make_dir("/tmp/w")
+    events: list[object] = []
+    got = asyncio.Event()
+
+    def on_event(ev: object) -> None:
+        events.append(ev)
+        got.set()
+
+    handle = await sbx.files.watch_dir("/tmp/w", on_event=on_event)
+    try:
+        await sbx.files.write("/tmp/w/new.txt", "x")
+        await asyncio.wait_for(got.wait(), 30)
+    finally:
+        await handle.stop()
+    assert any(getattr(e, "name", "") == "new.txt" for e in events)
+
+
+async def test_list_paging_with_metadata(e2b_env: Node) -> None:
+    made = [
+        await AsyncSandbox.create("test/debian", metadata={"suite": "paging", "i": str(i)})
+        for i in range(3)
+    ]
+    try:
+        from e2b import SandboxQuery
+
+        pager = AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "paging"}), limit=2)
+        first = await pager.next_items()
+        assert len(first) == 2 and pager.has_next
+        second = await pager.next_items()
+        assert len(second) == 1 and not pager.has_next
+        ids = {s.sandbox_id for s in first + second}
+        assert ids == {s.sandbox_id for s in made}
+        one = await AsyncSandbox.list(query=SandboxQuery(metadata={"i": "1"})).next_items()
+        assert [s.sandbox_id for s in one] == [made[1].sandbox_id]
+    finally:
+        for s in made:
+            await s.kill()
+
+
+async def test_pause_then_connect_resumes(sbx: AsyncSandbox) -> None:
+    await sbx.commands.run("echo kept > /tmp/state")
+    assert await sbx.pause()
+    assert not await sbx.pause()  # already paused: 409, which the SDK reports as False
+    info = await AsyncSandbox.get_info(sbx.sandbox_id)
+    assert info.state.value == "paused"
+    again = await AsyncSandbox.connect(sbx.sandbox_id)
+    assert (await again.get_info()).state.value == "running"
+    assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
+
+
+async def test_timeout_and_metrics(sbx: AsyncSandbox) -> None:
+    await sbx.set_timeout(600)
+    info = await sbx.get_info()
+    assert (info.end_at - info.started_at).total_seconds() > 500
+    metrics = await sbx.get_metrics()
+    assert metrics and metrics[0].mem_total > 0
+
+
+async def test_timeout_destroys(e2b_env: Node) -> None:
+    sb = await AsyncSandbox.create("test/debian", timeout=1)
+    while await sb.is_running():
+        await asyncio.sleep(0.2)
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.get_info(sb.sandbox_id)
+
+
+async def test_errors(e2b_env: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = "sb-000000000000-" + "0" * 12
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.get_info(missing)
+    assert not await AsyncSandbox.kill(missing)
+    with pytest.raises(SandboxException, match="template 'no/such' not found"):
+        await AsyncSandbox.create("no/such")
+    monkeypatch.setenv("E2B_API_KEY", "wrong")
+    with pytest.raises(AuthenticationException):
+        await AsyncSandbox.create("test/debian")
+
+
+async def test_envd_token_is_per_sandbox(e2b_env: Node) -> None:
+    a = await AsyncSandbox.create("test/debian")
+    b = await AsyncSandbox.create("test/debian")
+    try:
+        import httpx
+
+        address = await _address()
+        tok_a = a._envd_access_token  # type: ignore[attr-defined]
+        async with httpx.AsyncClient(base_url=address) as c:
+            ok = await c.get(
+                "/health", headers={"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": tok_a}
+            )
+            assert ok.status_code == 204
+            bad = await c.get(
+                "/files",
+                params={"path": "/etc/hostname"},
+                headers={"E2b-Sandbox-Id": b.sandbox_id, "X-Access-Token": tok_a},
+            )
+            assert bad.status_code == 401
+            assert set(bad.json()) == {"code", "message"}
+    finally:
+        await a.kill()
+        await b.kill()
+
+
+async def _address() -> str:
+    import os
+
+    return os.environ["E2B_SANDBOX_URL"]

@@ -92,6 +92,12 @@ class Deadlines:
             self._task = asyncio.get_running_loop().create_task(self._reap())
         return end
 
+    def extend(self, sandbox_id: str, seconds: float) -> None:
+        """Set the deadline ``seconds`` from now unless it is already later (E2B's connect
+        to a running sandbox)."""
+        if self._end.get(sandbox_id, 0.0) < time.time() + seconds:
+            self.set(sandbox_id, seconds)
+
     def forget(self, sandbox_id: str) -> None:
         self._end.pop(sandbox_id, None)
 
@@ -376,8 +382,10 @@ class ControlPlane:
         if info.state in ("paused", "pausing"):
             info = await self.ops.sandbox_resume(sid)
             status = 201
-        if t is not None:
+        if t is not None and status == 201:
             self.deadlines.set(sid, t)
+        elif t is not None:
+            self.deadlines.extend(sid, t)
         return JSONResponse(self._created(info), status)
 
     async def resume(self, request: Request) -> Response:

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from corral.errors import CorralError, InvalidRequest, NotFound
+from corral.errors import CorralError, InvalidRequest, NotFound, SandboxNotFound
 from corral.integrations.e2b._common import (
     E2BConfig,
     e2b_error,
@@ -38,6 +38,12 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 log = logging.getLogger("corral.e2b")
 
 
+def gone(sandbox_id: str) -> Response:
+    """What E2B's proxy answers for a sandbox that is not running; the SDK reads "was not
+    found" in the message as "killed or past its timeout"."""
+    return JSONResponse(e2b_error(502, f"The sandbox {sandbox_id} was not found"), 502)
+
+
 class Envd:
     """The envd ASGI app for every sandbox of ``ops``."""
 
@@ -50,7 +56,7 @@ class Envd:
         self.max_upload = max_upload
         self.process = ProcessService(ops, config)
         self.filesystem = FilesystemService(ops, config)
-        self._rpc = {
+        self._rpc: dict[str, Any] = {
             "/process.Process/": ProcessASGIApplication(self.process),
             "/filesystem.Filesystem/": FilesystemASGIApplication(self.filesystem),
         }
@@ -73,6 +79,8 @@ class Envd:
                 return
         try:
             resp = await self._http(Request(scope, receive), sid)
+        except SandboxNotFound:
+            resp = gone(sid)
         except CorralError as exc:
             status = error_status(exc)
             resp = JSONResponse(e2b_error(status, str(exc)), status)
@@ -81,7 +89,9 @@ class Envd:
     async def _http(self, request: Request, sid: str) -> Response:
         path, method = request.url.path, request.method
         if path == "/health" and method == "GET":
-            await self.ops.sandbox_get(sid)
+            info = await self.ops.sandbox_get(sid)
+            if info.state in ("destroying", "destroyed", "failed"):
+                return gone(sid)
             return Response(status_code=204)
         if path == "/files" and method == "GET":
             return await self._download(request, sid)
@@ -141,7 +151,9 @@ class Envd:
                 if not name:
                     raise InvalidRequest("multipart part without a file name or ?path=")
                 payload = part.get_payload(decode=True)
-                files.append((name if len(files) or not only else only, payload or b""))
+                if not isinstance(payload, bytes):
+                    raise InvalidRequest(f"multipart part {name!r} has no body")
+                files.append((name if len(files) or not only else only, payload))
         else:
             p = request.query_params.get("path")
             if not p:

@@ -19,15 +19,15 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
-from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from corral.errors import CorralError, NotFound
 from corral.integrations.e2b._common import E2BConfig, guest_path
-from corral.integrations.e2b._rpc import connect_error, request_user, sandbox_of
+from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
 from corral.ops import NodeOps
 from corral.spec import ExecRequest, FileStat
 from e2b.envd.filesystem import filesystem_pb as pb
+from e2b.envd.filesystem.filesystem_connect import Filesystem
 
 _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY}
 _KINDS = {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}
@@ -54,7 +54,7 @@ def entry_of(st: FileStat) -> pb.EntryInfo:
     )
 
 
-class FilesystemService:
+class FilesystemService(Filesystem):
     """``filesystem.Filesystem`` over ``ops`` (see the module docstring)."""
 
     def __init__(self, ops: NodeOps, config: E2BConfig, poll: float = 0.2) -> None:
@@ -191,7 +191,7 @@ class FilesystemService:
         if st.type != "dir":
             raise ConnectError(Code.INVALID_ARGUMENT, f"path {path!r} is not a directory")
         seen = await self._snapshot(sid, path, request.recursive)
-        yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+        yield pb.WatchDirResponse(event=oneof("start", pb.WatchDirResponse.StartEvent()))
         ticks = 0
         while True:
             await asyncio.sleep(self.poll)
@@ -200,12 +200,12 @@ class FilesystemService:
             except ConnectError:
                 return  # the directory (or the sandbox) went away: the watch ends
             for fe in self._diff(path, seen, now, request.include_entry):
-                yield pb.WatchDirResponse(event=Oneof("filesystem", fe))
+                yield pb.WatchDirResponse(event=oneof("filesystem", fe))
             seen = now
             ticks += 1
             if ticks * self.poll >= 30:
                 ticks = 0
-                yield pb.WatchDirResponse(event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                yield pb.WatchDirResponse(event=oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
 
     async def create_watcher(
         self, request: pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]

@@ -30,14 +30,14 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
-from protobuf import Oneof
 
 from corral.errors import CorralError
 from corral.integrations.e2b._common import E2BConfig, guest_path, home_of
-from corral.integrations.e2b._rpc import connect_error, request_user, sandbox_of
+from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
 from corral.ops import NodeOps, PtyStream
 from corral.spec import ExecChunk, ExecRequest, ExecResult, PtyRequest
 from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import Process
 
 log = logging.getLogger("corral.e2b")
 
@@ -59,7 +59,7 @@ def _end_event(res: ExecResult | None, error: str | None = None) -> Event:
         end = Event.EndEvent(
             exit_code=end.exit_code, exited=end.exited, status=end.status, error=res.reason
         )
-    return Event(event=Oneof("end", end))
+    return Event(event=oneof("end", end))
 
 
 class _Proc:
@@ -93,7 +93,7 @@ class _Proc:
         """Start first, data and keepalives, exactly one end. Detaches when the client
         goes away; the process runs on."""
         try:
-            yield wrap(event=Event(event=Oneof("start", Event.StartEvent(pid=self.pid))))
+            yield wrap(event=Event(event=oneof("start", Event.StartEvent(pid=self.pid))))
             if self.end is not None and q.empty():
                 yield wrap(event=self.end)
                 return
@@ -101,7 +101,7 @@ class _Proc:
                 try:
                     ev = await asyncio.wait_for(q.get(), keepalive)
                 except TimeoutError:
-                    yield wrap(event=Event(event=Oneof("keepalive", Event.KeepAlive())))
+                    yield wrap(event=Event(event=oneof("keepalive", Event.KeepAlive())))
                     continue
                 yield wrap(event=ev)
                 if ev.event is not None and ev.event.field == "end":
@@ -115,7 +115,7 @@ class _Proc:
         return q
 
 
-class ProcessService:
+class ProcessService(Process):
     """``process.Process`` over ``ops`` (see the module docstring)."""
 
     def __init__(self, ops: NodeOps, config: E2BConfig) -> None:
@@ -187,8 +187,8 @@ class ProcessService:
         try:
             async for item in self.ops.exec_stream(sid, req):
                 if isinstance(item, ExecChunk):
-                    data = Event.DataEvent(output=Oneof(item.stream, item.data))
-                    proc.publish(Event(event=Oneof("data", data)))
+                    data = Event.DataEvent(output=oneof(item.stream, item.data))
+                    proc.publish(Event(event=oneof("data", data)))
                 else:
                     result = item
         except asyncio.CancelledError:
@@ -209,8 +209,8 @@ class ProcessService:
                 proc.pty = stream
                 proc.pty_ready.set()
                 async for data in stream:
-                    ev = Event.DataEvent(output=Oneof(field, data))
-                    proc.publish(Event(event=Oneof("data", ev)))
+                    ev = Event.DataEvent(output=oneof(field, data))
+                    proc.publish(Event(event=oneof("data", ev)))
         except asyncio.CancelledError:
             error = "killed"
         except CorralError as exc:

@@ -8,6 +8,7 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from protobuf import Oneof
 
 from corral.errors import (
     CapacityError,
@@ -21,7 +22,6 @@ from corral.errors import (
 from corral.integrations.e2b._common import E2BConfig
 
 _CODES: list[tuple[type[CorralError], Code]] = [
-    (SandboxNotFound, Code.UNAVAILABLE),
     (NotFound, Code.NOT_FOUND),
     (InvalidRequest, Code.INVALID_ARGUMENT),
     (Conflict, Code.ALREADY_EXISTS),
@@ -33,6 +33,8 @@ _CODES: list[tuple[type[CorralError], Code]] = [
 def connect_error(exc: CorralError) -> ConnectError:
     """A corral error as the Connect code envd would answer (a sandbox gone: unavailable,
     which the SDK reports as a sandbox that is not running)."""
+    if isinstance(exc, SandboxNotFound):
+        return ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}")
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return ConnectError(code, str(exc))
@@ -67,3 +69,8 @@ def request_user(ctx: RequestContext[Any, Any], config: E2BConfig) -> str:
         return user_from_header(ctx.request_headers.get("authorization"), config)
     except InvalidRequest as exc:
         raise ConnectError(Code.INVALID_ARGUMENT, str(exc)) from None
+
+
+def oneof(field: str, value: Any) -> Any:
+    """A protobuf oneof value (typed Any: the generated stubs want a literal per field)."""
+    return Oneof(field, value)
