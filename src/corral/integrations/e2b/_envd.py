@@ -15,6 +15,9 @@ import logging
 import posixpath
 from typing import Any
 
+from connectrpc.codec import proto_binary_codec, proto_json_codec
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,6 +41,29 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 log = logging.getLogger("corral.e2b")
 
 
+class _StrictCodec:
+    """A connectrpc codec whose undecodable input is Connect's ``invalid_argument``
+    (connectrpc lets the decoder's ValueError through as an internal error)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def name(self) -> str:
+        return str(self._inner.name())
+
+    def encode(self, message: Any) -> bytes:
+        return bytes(self._inner.encode(message))
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"cannot decode the request: {exc}") from None
+
+
+_CODECS = [_StrictCodec(proto_binary_codec()), _StrictCodec(proto_json_codec())]
+
+
 def gone(sandbox_id: str) -> Response:
     """What E2B's proxy answers for a sandbox that is not running; the SDK reads "was not
     found" in the message as "killed or past its timeout"."""
@@ -57,8 +83,8 @@ class Envd:
         self.process = ProcessService(ops, config)
         self.filesystem = FilesystemService(ops, config)
         self._rpc: dict[str, Any] = {
-            "/process.Process/": ProcessASGIApplication(self.process),
-            "/filesystem.Filesystem/": FilesystemASGIApplication(self.filesystem),
+            "/process.Process/": ProcessASGIApplication(self.process, codecs=_CODECS),
+            "/filesystem.Filesystem/": FilesystemASGIApplication(self.filesystem, codecs=_CODECS),
         }
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
