@@ -263,3 +263,37 @@ async def _address() -> str:
     import os
 
     return os.environ["E2B_SANDBOX_URL"]
+
+
+def test_bench_e2b_json_shape(images_ready: None) -> None:
+    """``corral bench e2b`` at a tiny count: the JSON line the issue names."""
+    import shutil
+
+    from tests.conftest import TEST_STORE
+    from tests.integration.conftest import run_bench
+
+    state = Path(f"/var/lib/corral-test{TAG}-e2bbench")
+    run = Path(f"/run/corral-test{TAG}-e2bbench")
+    try:
+        out = run_bench(
+            "e2b",
+            "--count",
+            "3",
+            state=state,
+            run=run,
+            subtree=f"corral-test{TAG}-e2bbench",
+            store=TEST_STORE,
+            image="test/debian",
+            timeout=180,
+        )
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+    assert out["scenario"] == "e2b" and out["count"] == 3
+    assert out["errors"] == 0 and out["native"]["errors"] == 0
+    for d, keys in (
+        (out, ("create_p50_ms", "run_p50_ms")),
+        (out["native"], ("create_p50_ms", "exec_p50_ms")),
+    ):
+        for k in keys:
+            assert isinstance(d[k], int | float) and d[k] > 0, (k, d)

@@ -181,5 +181,14 @@ def placement_cmd(
     _run(lambda: placement(nodes, sandboxes, capacity, placers, report_every, k), as_json)
 
 
+@scenario(app, "e2b")
+def e2b_cmd(opts: BenchOptions, count: Count = 100) -> Scenario:
+    """The e2b SDK's create and commands.run("true") against the same through corral's own
+    SDK, both over HTTP to one node (needs the e2b extra and an image with bash)."""
+    from corral.bench.e2b import e2b
+
+    return e2b(opts, count)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()
