@@ -297,3 +297,42 @@ def test_bench_e2b_json_shape(images_ready: None) -> None:
     ):
         for k in keys:
             assert isinstance(d[k], int | float) and d[k] > 0, (k, d)
+
+
+async def test_blocking_sdk(e2b_env: Node) -> None:
+    """The blocking ``Sandbox`` (what most harnesses use), in a thread: the node's server
+    runs on this test's event loop."""
+    from e2b import Sandbox
+
+    def harness() -> tuple[str, bytes, list[str]]:
+        sb = Sandbox.create("test/debian")
+        try:
+            out = sb.commands.run("echo sync").stdout
+            sb.files.write("/tmp/b.bin", b"\x00\x01\xfe")
+            data = sb.files.read("/tmp/b.bin", format="bytes")
+            seen = [s.sandbox_id for s in Sandbox.list().next_items()]
+            return out, bytes(data), seen if sb.sandbox_id in seen else []
+        finally:
+            sb.kill()
+
+    out, data, seen = await asyncio.to_thread(harness)
+    assert out == "sync\n" and data == b"\x00\x01\xfe" and seen
+
+
+async def test_pty(sbx: AsyncSandbox) -> None:
+    from e2b import PtySize
+
+    got = bytearray()
+    done = asyncio.Event()
+
+    def on_data(b: bytes) -> None:
+        got.extend(b)
+        if b"pty-ok" in got:
+            done.set()
+
+    h = await sbx.pty.create(PtySize(rows=24, cols=80), on_data=on_data)
+    await sbx.pty.send_stdin(h.pid, b"echo pty-$((1+0))ok | tr -d 1\n")
+    await asyncio.wait_for(done.wait(), 30)
+    await sbx.pty.send_stdin(h.pid, b"exit 0\n")
+    r = await h.wait()
+    assert r.exit_code == 0
