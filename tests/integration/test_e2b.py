@@ -336,3 +336,38 @@ async def test_pty(sbx: AsyncSandbox) -> None:
     await sbx.pty.send_stdin(h.pid, b"exit 0\n")
     r = await h.wait()
     assert r.exit_code == 0
+
+
+async def test_port_proxy(sbx: AsyncSandbox, e2b_env: Node) -> None:
+    """An HTTP server in the sandbox, on its loopback only, reached through the node by
+    path and by E2B's host form; refused without a token or with another sandbox's."""
+    import httpx
+
+    await sbx.files.write("/tmp/www/hello.txt", b"hello \x00 port")
+    await sbx.commands.run(
+        "cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True
+    )
+    address = await _address()
+    own = {"X-Access-Token": sbx._envd_access_token}  # type: ignore[attr-defined]
+    path = f"/sandboxes/{sbx.sandbox_id}/ports/8000/hello.txt"
+    async with httpx.AsyncClient(base_url=address, timeout=60) as c:
+        # readiness: the server answers once it listens (502 until then)
+        for _ in range(300):
+            r = await c.get(path, headers=own)
+            if r.status_code != 502:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 200 and r.content == b"hello \x00 port"
+        host = {"Host": f"8000-{sbx.sandbox_id}.e2b.local", **own}
+        r = await c.get("/hello.txt", headers=host)
+        assert r.status_code == 200 and r.content == b"hello \x00 port"
+        r = await c.get("/nope", headers=host)
+        assert r.status_code == 404
+        assert (await c.get(path)).status_code == 401
+        other = await AsyncSandbox.create("test/debian")
+        try:
+            theirs = {"X-Access-Token": other._envd_access_token}  # type: ignore[attr-defined]
+            assert (await c.get(path, headers=theirs)).status_code == 401
+        finally:
+            await other.kill()
+        assert (await c.get(path, headers={"X-API-KEY": TOKEN})).status_code == 200

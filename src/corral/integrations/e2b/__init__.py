@@ -12,6 +12,8 @@ requests that are E2B's:
 
 - a request with an ``E2b-Sandbox-Id`` header goes to envd (:mod:`._envd`), which the
   node serves itself: no daemon runs in the guest;
+- ``Host: {port}-{sandboxID}.{domain}`` and ``/sandboxes/{id}/ports/{port}/...`` go to
+  the port relay (:mod:`._ports`), which needs nothing of the e2b package;
 - ``/sandboxes...`` and ``/v2/sandboxes...`` go to the control plane (:mod:`._control`);
 - everything else (corral's ``/v1``, ``/metrics``, ``/ui``) goes to the node's app.
 
@@ -27,6 +29,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from corral.integrations.e2b._common import ENVD_VERSION, E2BConfig, envd_token
+from corral.integrations.e2b._ports import HOST_RE, PATH_RE, PortProxy
 from corral.ops import NodeOps
 
 __all__ = ["E2BGateway", "E2BConfig", "ENVD_VERSION", "envd_token"]
@@ -50,6 +53,7 @@ class E2BGateway:
         self.max_upload = max_upload
         self._control: Any = None
         self._envd: Any = None
+        self._ports = PortProxy(ops, token)
         self._missing: str | None = None
 
     def _load(self) -> bool:
@@ -71,8 +75,13 @@ class E2BGateway:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        is_port = HOST_RE.match(host) is not None or PATH_RE.match(path) is not None
         is_envd = any(k == b"e2b-sandbox-id" for k, _ in scope["headers"])
         is_control = path.startswith(("/sandboxes", "/v2/sandboxes"))
+        if is_port:
+            await self._ports(scope, receive, send)
+            return
         if not (is_envd or is_control):
             await self.app(scope, receive, send)
             return
