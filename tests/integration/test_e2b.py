@@ -371,3 +371,37 @@ async def test_port_proxy(sbx: AsyncSandbox, e2b_env: Node) -> None:
         finally:
             await other.kill()
         assert (await c.get(path, headers={"X-API-KEY": TOKEN})).status_code == 200
+
+
+async def test_snapshot_and_fork(sbx: AsyncSandbox) -> None:
+    await sbx.files.write("/tmp/kept.txt", "from the parent")
+    snap = await sbx.create_snapshot()
+    child = await AsyncSandbox.create(snap.snapshot_id)
+    try:
+        assert await child.files.read("/tmp/kept.txt") == "from the parent"
+    finally:
+        await child.kill()
+        assert await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+        _drop_snapshot_layers(sbx.sandbox_id)
+    assert not await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+    forks = await sbx.fork(count=2)
+    try:
+        for f in forks:
+            assert await f.files.read("/tmp/kept.txt") == "from the parent"
+            assert (await f.commands.run("id -un")).stdout == "user\n"
+    finally:
+        for f in forks:
+            await f.kill()
+
+
+def _drop_snapshot_layers(sandbox_id: str) -> None:
+    """The shared test store keeps no layer of this test's snapshot (removing the image
+    leaves its layer for a node's gc)."""
+    from corral.images.store import LayerStore
+    from tests.conftest import TEST_STORE
+
+    store = LayerStore(TEST_STORE)
+    used = {d for i in store.images() for d in i.layers}
+    for layer in store.layers():
+        if layer.source == sandbox_id and layer.digest not in used:
+            store.remove_layer(layer.digest)

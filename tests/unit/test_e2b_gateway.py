@@ -155,3 +155,22 @@ async def test_sandbox_gone_reads_as_not_running(http: tuple[FakeNode, httpx.Asy
     r = await c.get("/health", headers=own)
     _is_e2b_error(r, 502)
     assert "was not found" in r.json()["message"]
+
+
+async def test_network_fork_and_snapshot(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    sid = (await _create(c))["sandboxID"]
+    r = await c.put(f"/sandboxes/{sid}/network", json={"egressProxy": {}}, headers=KEY)
+    _is_e2b_error(r, 400)
+    assert "egressProxy" in r.json()["message"]
+    # corral's policy holds named permissions, not CIDRs: a clear 400
+    r = await c.put(f"/sandboxes/{sid}/network", json={"denyOut": ["10.0.0.0/8"]}, headers=KEY)
+    _is_e2b_error(r, 400)
+    r = await c.put(f"/sandboxes/{sid}/network", json={"allow_internet_access": False}, headers=KEY)
+    assert r.status_code == 204, r.text
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={}, headers=KEY)
+    assert r.status_code == 201 and r.json()["names"] == [r.json()["snapshotID"]]
+    r = await c.post(f"/sandboxes/{sid}/fork", json={"count": 2}, headers=KEY)
+    assert r.status_code == 201, r.text
+    assert len(r.json()) == 2 and all(f["sandbox"]["sandboxID"] != sid for f in r.json())
+    _is_e2b_error(await c.post(f"/sandboxes/{sid}/fork", json={"count": 0}, headers=KEY), 400)

@@ -78,7 +78,7 @@ class E2BGateway:
         host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
         is_port = HOST_RE.match(host) is not None or PATH_RE.match(path) is not None
         is_envd = any(k == b"e2b-sandbox-id" for k, _ in scope["headers"])
-        is_control = path.startswith(("/sandboxes", "/v2/sandboxes"))
+        is_control = path.startswith(("/sandboxes", "/v2/sandboxes", "/templates/"))
         if is_port:
             await self._ports(scope, receive, send)
             return

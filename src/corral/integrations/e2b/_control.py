@@ -46,7 +46,7 @@ from corral.integrations.e2b._common import (
     token_ok,
 )
 from corral.ops import NodeOps
-from corral.spec import ExecRequest, Limits, SandboxInfo, SandboxSpec
+from corral.spec import ExecRequest, ForkRequest, Limits, SandboxInfo, SandboxSpec
 
 log = logging.getLogger("corral.e2b")
 
@@ -147,6 +147,10 @@ class ControlPlane:
                 Route("/v2" + sb + "/connect", self.connect, methods=["POST"]),
                 Route(sb + "/metrics", self.metrics, methods=["GET"]),
                 Route(sb + "/refreshes", self.refresh, methods=["POST"]),
+                Route(sb + "/snapshots", self.snapshot, methods=["POST"]),
+                Route(sb + "/fork", self.fork, methods=["POST"]),
+                Route(sb + "/network", self.network, methods=["PUT"]),
+                Route("/templates/{name:path}", self.template_delete, methods=["DELETE"]),
             ]
         )
 
@@ -413,3 +417,67 @@ class ControlPlane:
             "diskTotal": info.spec.limits.disk,
         }
         return JSONResponse([sample])
+
+    async def snapshot(self, request: Request) -> Response:
+        """A corral snapshot image; its name is the snapshot id, usable as a template."""
+        sid = request.path_params["sandbox_id"]
+        await self._e2b_sandbox(sid)
+        name = (await self._body(request)).get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InvalidRequest("name: a non-empty string")
+        img = await self.ops.sandbox_snapshot(sid, name)
+        return JSONResponse({"snapshotID": img.name, "names": [img.name]}, 201)
+
+    async def fork(self, request: Request) -> Response:
+        """``count`` corral forks (files, not processes) with the parent's labels."""
+        sid = request.path_params["sandbox_id"]
+        await self._e2b_sandbox(sid)
+        body = await self._body(request)
+        timeout = self._timeout(body, self.config.default_timeout)
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 100:
+            raise InvalidRequest(f"count: {count!r} is not from 1 to 100")
+        try:
+            children = await self.ops.sandbox_fork(sid, ForkRequest(count=count))
+        except CapacityError as exc:
+            return self._error(exc)
+        for child in children:
+            self.deadlines.set(child.id, timeout or self.config.default_timeout)
+        return JSONResponse([{"sandbox": self._created(c)} for c in children], 201)
+
+    async def network(self, request: Request) -> Response:
+        """E2B's ``allowOut``/``denyOut`` as corral's egress allow/deny lists, which hold
+        the node's named permissions (not CIDRs or domains); what corral cannot express
+        is a 400 naming it."""
+        sid = request.path_params["sandbox_id"]
+        await self._e2b_sandbox(sid)
+        body = await self._body(request)
+        unknown = set(body) - {"allowOut", "denyOut", "allow_internet_access"}
+        if unknown:
+            raise InvalidRequest(
+                f"network: {', '.join(sorted(unknown))} cannot be expressed on corral "
+                "(only allowOut and denyOut: CIDRs or corral's named permissions)"
+            )
+        allow, deny = body.get("allowOut"), body.get("denyOut")
+        if body.get("allow_internet_access") is False:
+            allow = []  # corral's empty allow list: loopback only
+        elif body.get("allow_internet_access") is True:
+            raise InvalidRequest(
+                "network: allow_internet_access=true cannot be expressed on corral; "
+                "allow the node's named permissions instead (allowOut)"
+            )
+        for v in (allow, deny):
+            if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+                raise InvalidRequest("network: allowOut/denyOut must be lists of strings")
+        await self.ops.network_update(sid, allow=allow, deny=deny)
+        return Response(status_code=204)
+
+    async def template_delete(self, request: Request) -> Response:
+        """``delete_snapshot``: removes the corral image of that name (what the node
+        token also allows through ``DELETE /v1/images``); corral refuses to remove an
+        image a sandbox still uses."""
+        try:
+            await self.ops.image_remove(request.path_params["name"])
+        except ImageNotFound:
+            return JSONResponse(e2b_error(404, "snapshot not found"), 404)
+        return Response(status_code=204)
