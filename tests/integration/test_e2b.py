@@ -331,11 +331,13 @@ async def test_pty(sbx: AsyncSandbox) -> None:
             done.set()
 
     h = await sbx.pty.create(PtySize(rows=24, cols=80), on_data=on_data)
-    await sbx.pty.send_stdin(h.pid, b"echo pty-$((1+0))ok | tr -d 1\n")
+    await sbx.pty.resize(h.pid, PtySize(rows=33, cols=77))
+    await sbx.pty.send_stdin(h.pid, b"echo pty-$((1+0))ok | tr -d 1; stty size\n")
     await asyncio.wait_for(done.wait(), 30)
     await sbx.pty.send_stdin(h.pid, b"exit 0\n")
     r = await h.wait()
     assert r.exit_code == 0
+    assert b"33 77" in got
 
 
 async def test_port_proxy(sbx: AsyncSandbox, e2b_env: Node) -> None:
@@ -405,3 +407,14 @@ def _drop_snapshot_layers(sandbox_id: str) -> None:
     for layer in store.layers():
         if layer.source == sandbox_id and layer.digest not in used:
             store.remove_layer(layer.digest)
+
+
+async def test_command_in_a_killed_sandbox(e2b_env: Node) -> None:
+    from e2b.exceptions import SandboxNotRunningException
+
+    sb = await AsyncSandbox.create("test/debian")
+    await sb.kill()
+    with pytest.raises(SandboxNotRunningException):
+        await sb.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        await sb.files.read("/etc/hostname")

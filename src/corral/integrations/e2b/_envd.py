@@ -138,6 +138,8 @@ class Envd:
         path = guest_path(request.query_params.get("path") or "", user)
         try:
             st = await self.ops.file_stat(sid, path)
+        except SandboxNotFound:
+            raise
         except NotFound:
             return JSONResponse(e2b_error(404, f"path '{path}' does not exist"), 404)
         if st.type == "dir":
@@ -197,6 +199,8 @@ class Envd:
         try:
             await self.ops.file_stat(sid, parent)
             created = False
+        except SandboxNotFound:
+            raise
         except NotFound:
             created = True
         await self.ops.file_write(sid, path, data)

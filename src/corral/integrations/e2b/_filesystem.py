@@ -21,7 +21,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from corral.errors import CorralError, NotFound
+from corral.errors import CorralError, NotFound, SandboxNotFound
 from corral.integrations.e2b._common import E2BConfig, guest_path
 from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
 from corral.ops import NodeOps
@@ -75,6 +75,8 @@ class FilesystemService(Filesystem):
     async def _stat(self, sid: str, path: str) -> FileStat:
         try:
             return await self.ops.file_stat(sid, path)
+        except SandboxNotFound as exc:
+            raise connect_error(exc) from None
         except NotFound:
             raise ConnectError(Code.NOT_FOUND, f"path {path!r} does not exist") from None
         except CorralError as exc:
@@ -99,6 +101,8 @@ class FilesystemService(Filesystem):
     async def _walk(self, sid: str, path: str, depth: int) -> list[FileStat]:
         try:
             items = await self.ops.file_list(sid, path)
+        except SandboxNotFound as exc:
+            raise connect_error(exc) from None
         except NotFound:
             raise ConnectError(Code.NOT_FOUND, f"directory {path!r} does not exist") from None
         except CorralError as exc:
@@ -126,6 +130,8 @@ class FilesystemService(Filesystem):
         sid, user, path = self._where(request.path, ctx)
         try:
             await self.ops.file_stat(sid, path)
+        except SandboxNotFound as exc:
+            raise connect_error(exc) from None
         except NotFound:
             pass
         except CorralError as exc:
@@ -148,6 +154,8 @@ class FilesystemService(Filesystem):
         sid, _, path = self._where(request.path, ctx)
         try:
             await self.ops.file_remove(sid, path, recursive=True)
+        except SandboxNotFound as exc:
+            raise connect_error(exc) from None
         except NotFound:
             raise ConnectError(Code.NOT_FOUND, f"path {path!r} does not exist") from None
         except CorralError as exc:

@@ -145,7 +145,7 @@ class ProcessService(Process):
             return KEEPALIVE_DEFAULT
 
     # -------------------------------------------------------------------- start
-    def start(
+    async def start(
         self, request: pb.StartRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pb.StartResponse]:
         sid = sandbox_of(ctx)
@@ -155,7 +155,15 @@ class ProcessService(Process):
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd: empty")
         cmd = [cfg.cmd, *cfg.args]
         env = {"HOME": home_of(user), "USER": user, **dict(cfg.envs)}
-        cwd = guest_path(cfg.cwd, user) if cfg.cwd else home_of(user)
+        try:
+            cwd = guest_path(cfg.cwd, user) if cfg.cwd else home_of(user)
+            # a sandbox that is gone is the stream's error (the SDK: "not running"), not
+            # a process that ends at once
+            info = await self.ops.sandbox_get(sid)
+        except CorralError as exc:
+            raise connect_error(exc) from None
+        if info.state in ("destroying", "destroyed", "failed"):
+            raise ConnectError(Code.UNAVAILABLE, f"The sandbox {sid} was not found")
         proc = _Proc(next(self._pids), request.tag or "", cfg)
         self._procs.setdefault(sid, {})[proc.pid] = proc
         q = proc.attach()
@@ -179,7 +187,8 @@ class ProcessService(Process):
         else:
             ereq = ExecRequest(cmd=cmd, env=env, cwd=cwd, user=user)
             proc.task = asyncio.get_running_loop().create_task(self._drive_exec(sid, proc, ereq))
-        return proc.events(q, self._keepalive(ctx), pb.StartResponse)
+        async for ev in proc.events(q, self._keepalive(ctx), pb.StartResponse):
+            yield ev
 
     async def _drive_exec(self, sid: str, proc: _Proc, req: ExecRequest) -> None:
         result: ExecResult | None = None
