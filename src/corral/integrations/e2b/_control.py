@@ -43,6 +43,7 @@ from corral.integrations.e2b._common import (
     e2b_error,
     envd_token,
     error_status,
+    home_of,
     token_ok,
 )
 from corral.ops import NodeOps
@@ -285,8 +286,18 @@ class ControlPlane:
         return JSONResponse(self._created(info), 201)
 
     async def _ensure_user(self, sandbox_id: str) -> None:
+        """Add the default account where the image has none. Reading /etc/passwd is a
+        files call; the exec that adds the account (tens of ms) runs only when needed,
+        so an image built with the account (uid 1000, home /home/user) skips it."""
         user = self.config.default_user
         if user == "root":
+            return
+        try:
+            passwd = await self.ops.file_read(sandbox_id, "/etc/passwd")
+            await self.ops.file_stat(sandbox_id, home_of(user))
+        except NotFound:
+            passwd = b""
+        if any(line.startswith(f"{user}:".encode()) for line in passwd.splitlines()):
             return
         res = await self.ops.exec(
             sandbox_id, ExecRequest(cmd=["/bin/sh", "-c", _ENSURE_USER, "sh", user], user="0")
