@@ -418,3 +418,18 @@ async def test_command_in_a_killed_sandbox(e2b_env: Node) -> None:
         await sb.commands.run("true")
     with pytest.raises(SandboxNotRunningException):
         await sb.files.read("/etc/hostname")
+
+
+async def test_written_files_belong_to_the_user(sbx: AsyncSandbox) -> None:
+    await sbx.files.write("/tmp/new/deeper/f.txt", "x")
+    await sbx.files.write("/etc/hostname", "still-roots\n")
+    r = await sbx.commands.run(
+        "stat -c '%U %n' /tmp /tmp/new /tmp/new/deeper /tmp/new/deeper/f.txt /etc/hostname"
+    )
+    assert r.stdout.splitlines() == [
+        "root /tmp",
+        "user /tmp/new",
+        "user /tmp/new/deeper",
+        "user /tmp/new/deeper/f.txt",
+        "root /etc/hostname",
+    ]

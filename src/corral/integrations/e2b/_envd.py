@@ -195,30 +195,24 @@ class Envd:
         return JSONResponse(out)
 
     async def _write(self, sid: str, user: str, path: str, data: bytes) -> None:
-        parent = posixpath.dirname(path)
-        try:
-            await self.ops.file_stat(sid, parent)
-            created = False
-        except SandboxNotFound:
-            raise
-        except NotFound:
-            created = True
+        """Write as E2B does for ``user``: a new file, and the directories the write
+        creates, belong to the user; an existing file keeps its owner. (corral's files
+        API writes as root, so permissions are not checked against the user.)"""
+        new = [] if user == "root" else await self._missing(sid, path)
         await self.ops.file_write(sid, path, data)
-        if user != "root":
-            # the files API writes as root; E2B writes as the user: hand it over
-            top = path if not created else self._first_new(parent, user)
-            await self.ops.exec(
-                sid, ExecRequest(cmd=["chown", "-R", f"{user}:", "--", top], user="0")
-            )
+        if new:
+            await self.ops.exec(sid, ExecRequest(cmd=["chown", f"{user}:", "--", *new], user="0"))
 
-    @staticmethod
-    def _first_new(parent: str, user: str) -> str:
-        # directories the write created under the home belong to the user; elsewhere
-        # only the file does (its parents were made by root, as E2B's envd would refuse)
-        from corral.integrations.e2b._common import home_of
-
-        home = home_of(user)
-        if parent.startswith(home + "/"):
-            rest = parent[len(home) + 1 :].split("/")[0]
-            return f"{home}/{rest}"
-        return parent
+    async def _missing(self, sid: str, path: str) -> list[str]:
+        """``path`` and its ancestors that do not exist yet (nearest first)."""
+        out: list[str] = []
+        while path != "/":
+            try:
+                await self.ops.file_stat(sid, path)
+                break
+            except SandboxNotFound:
+                raise
+            except NotFound:
+                out.append(path)
+                path = posixpath.dirname(path)
+        return out
