@@ -433,3 +433,9 @@ async def test_written_files_belong_to_the_user(sbx: AsyncSandbox) -> None:
         "user /tmp/new/deeper/f.txt",
         "root /etc/hostname",
     ]
+
+
+async def test_large_streamed_output(sbx: AsyncSandbox) -> None:
+    """More than the sandbox's buffered-exec output limit (1 MiB): streamed, not cut."""
+    r = await sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' x; echo")
+    assert len(r.stdout) == 3000001 and r.exit_code == 0

@@ -43,6 +43,12 @@ log = logging.getLogger("corral.e2b")
 
 Event = pb.ProcessEvent
 KEEPALIVE_DEFAULT = 50.0
+_MARKER = b"\x1ee2b-ready\x1e"
+_PIPE_LIKE = "stty -echo -opost 2>/dev/null; printf '\\036e2b-ready\\036'; exec \"$@\""
+"""Makes a terminal read like a pipe (no echo, no CR added), then says so (_MARKER)."""
+MAX_BACKLOG = 4096
+"""Events a client may fall behind by before it is detached (resource_exhausted)."""
+_OVERFLOW = Event()
 
 
 def _end_event(res: ExecResult | None, error: str | None = None) -> Event:
@@ -78,8 +84,13 @@ class _Proc:
         """Started on a pty (with a pty or stdin), so input can reach it."""
 
     def publish(self, ev: Event) -> None:
-        for q in self.subs:
-            q.put_nowait(ev)
+        for q in list(self.subs):
+            if q.qsize() >= MAX_BACKLOG:
+                # a client that does not read must not make the node hold the output
+                self.subs.discard(q)
+                q.put_nowait(_OVERFLOW)
+            else:
+                q.put_nowait(ev)
 
     def finish(self, ev: Event) -> None:
         if self.end is None:
@@ -103,6 +114,12 @@ class _Proc:
                 except TimeoutError:
                     yield wrap(event=Event(event=oneof("keepalive", Event.KeepAlive())))
                     continue
+                if ev is _OVERFLOW:
+                    raise ConnectError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"the client fell {MAX_BACKLOG} events behind process {self.pid}; "
+                        "it runs on: connect again to follow it",
+                    )
                 yield wrap(event=ev)
                 if ev.event is not None and ev.event.field == "end":
                     return
@@ -170,7 +187,7 @@ class ProcessService(Process):
         if request.pty is not None or request.stdin:
             size = request.pty.size if request.pty is not None else None
             if request.pty is None:  # stdin only: a terminal that reads like a pipe
-                cmd = ["/bin/sh", "-c", 'stty -echo -opost 2>/dev/null; exec "$@"', "sh", *cmd]
+                cmd = ["/bin/sh", "-c", _PIPE_LIKE, "sh", *cmd]
             preq = PtyRequest(
                 cmd=cmd,
                 env=env,
@@ -185,7 +202,9 @@ class ProcessService(Process):
                 self._drive_pty(sid, proc, preq, as_pty)
             )
         else:
-            ereq = ExecRequest(cmd=cmd, env=env, cwd=cwd, user=user)
+            # streamed, not kept: the sandbox's output limit (for buffered execs) does not
+            # apply; E2B commands print as much as they like
+            ereq = ExecRequest(cmd=cmd, env=env, cwd=cwd, user=user, output_limit=1 << 30)
             proc.task = asyncio.get_running_loop().create_task(self._drive_exec(sid, proc, ereq))
         async for ev in proc.events(q, self._keepalive(ctx), pb.StartResponse):
             yield ev
@@ -216,8 +235,21 @@ class ProcessService(Process):
             stream = await self.ops.pty(sid, req)
             async with stream:
                 proc.pty = stream
-                proc.pty_ready.set()
+                # a stdin process takes input only once its terminal stopped echoing (the
+                # marker says so); what came before the marker is the wrapper's, dropped
+                head = b"" if not as_pty else None
+                if as_pty:
+                    proc.pty_ready.set()
                 async for data in stream:
+                    if head is not None:
+                        head += data
+                        if _MARKER not in head:
+                            continue
+                        data = head.split(_MARKER, 1)[1]
+                        head = None
+                        proc.pty_ready.set()
+                        if not data:
+                            continue
                     ev = Event.DataEvent(output=oneof(field, data))
                     proc.publish(Event(event=oneof("data", ev)))
         except asyncio.CancelledError:
