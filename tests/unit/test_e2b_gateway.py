@@ -174,3 +174,15 @@ async def test_network_fork_and_snapshot(http: tuple[FakeNode, httpx.AsyncClient
     assert r.status_code == 201, r.text
     assert len(r.json()) == 2 and all(f["sandbox"]["sandboxID"] != sid for f in r.json())
     _is_e2b_error(await c.post(f"/sandboxes/{sid}/fork", json={"count": 0}, headers=KEY), 400)
+
+
+async def test_an_unexpected_error_is_a_500_in_e2b_shape(
+    http: tuple[FakeNode, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node, c = http
+
+    async def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(node, "sandbox_list", broken)
+    _is_e2b_error(await c.get("/v2/sandboxes", headers=KEY), 500)

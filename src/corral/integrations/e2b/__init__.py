@@ -24,6 +24,7 @@ without it E2B requests answer 501 naming the extra to install.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -33,6 +34,28 @@ from corral.integrations.e2b._ports import HOST_RE, PATH_RE, PortProxy
 from corral.ops import NodeOps
 
 __all__ = ["E2BGateway", "E2BConfig", "ENVD_VERSION", "envd_token"]
+
+log = logging.getLogger("corral.e2b")
+
+
+async def _guarded(app: Any, scope: Any, receive: Any, send: Any) -> None:
+    """An unexpected exception is a logged 500 in E2B's error shape, never a dropped
+    connection (the gateway sits outside the API app's own catch-all)."""
+    started = False
+
+    async def tracking(msg: Any) -> None:
+        nonlocal started
+        started = started or msg["type"] == "http.response.start"
+        await send(msg)
+
+    try:
+        await app(scope, receive, tracking)
+    except Exception:
+        log.exception("e2b: internal error serving %s %s", scope.get("method"), scope["path"])
+        if started or scope["type"] != "http":
+            raise
+        body = {"code": 500, "message": "internal error (logged on the node)"}
+        await JSONResponse(body, 500)(scope, receive, send)
 
 
 class E2BGateway:
@@ -80,7 +103,7 @@ class E2BGateway:
         is_envd = any(k == b"e2b-sandbox-id" for k, _ in scope["headers"])
         is_control = path.startswith(("/sandboxes", "/v2/sandboxes", "/templates/"))
         if is_port:
-            await self._ports(scope, receive, send)
+            await _guarded(self._ports, scope, receive, send)
             return
         if not (is_envd or is_control):
             await self.app(scope, receive, send)
@@ -90,4 +113,4 @@ class E2BGateway:
             await JSONResponse(body, 501)(scope, receive, send)
             return
         target = self._envd if is_envd else self._control
-        await target(scope, receive, send)
+        await _guarded(target, scope, receive, send)
