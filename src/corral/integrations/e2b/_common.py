@@ -31,7 +31,7 @@ class E2BConfig:
     the table is used as the image name itself (``Sandbox.create("py/pytest")``).
     """
 
-    templates: dict[str, str] = field(default_factory=lambda: {"base": "test/debian"})
+    templates: dict[str, str] = field(default_factory=lambda: {"base": "base/debian"})
     """Template id or alias -> corral image."""
     default_timeout: int = 300
     """Seconds an E2B sandbox lives when the create request names no timeout (E2B's)."""
