@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api._pty import pty_router
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
+from corral.integrations.e2b import E2BGateway
 from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
@@ -310,6 +311,8 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
     app.add_middleware(_CatchAll)
     if token:
         app.add_middleware(_BearerAuth, token=token)
+    # E2B's control plane and envd (their own auth: X-API-KEY, X-Access-Token); outermost
+    app.add_middleware(E2BGateway, ops=ops, token=token, max_upload=max_body)
     return app
 
 

@@ -248,5 +248,14 @@ def workspace_cmd(
     return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency, readahead_kib or None)
 
 
+@scenario(app, "e2b")
+def e2b_cmd(opts: BenchOptions, count: Count = 100) -> Scenario:
+    """The e2b SDK's create and commands.run("true") against the same through corral's own
+    SDK, both over HTTP to one node (needs the e2b extra and an image with bash)."""
+    from corral.bench.e2b import e2b
+
+    return e2b(opts, count)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()

@@ -1,0 +1,441 @@
+"""The real ``e2b`` SDK (2.63.0), unmodified, against a real node over HTTP.
+
+The SDK finds the node through E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY, as a user's
+harness would. AsyncSandbox is used because the server runs on the test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from corral.api.server import NodeServer
+from corral.host import leaks
+from corral.node import Node
+from tests.conftest import TAG
+from tests.integration.conftest import open_node
+
+e2b = pytest.importorskip("e2b", reason="needs the e2b extra: pip install 'corral[e2b]'")
+from e2b import AsyncSandbox  # noqa: E402
+from e2b import CommandExitException  # noqa: E402
+from e2b.exceptions import (  # noqa: E402
+    AuthenticationException,
+    NotFoundException,
+    SandboxNotFoundException,
+    SandboxException,
+)
+
+STATE = Path(f"/var/lib/corral-test{TAG}-e2b")
+RUN = Path(f"/run/corral-test{TAG}-e2b")
+SUBTREE = f"corral-test{TAG}-e2b"
+TOKEN = "e2b-test-token"
+
+
+@pytest.fixture(scope="module")
+async def served(images_ready: None) -> AsyncIterator[tuple[Node, str]]:
+    async with open_node(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE, gc=True) as node:
+        async with NodeServer(node, host="127.0.0.1", port=0, token=TOKEN) as srv:
+            yield node, srv.address
+    found = leaks.scan(STATE, RUN, SUBTREE, netns_prefix=SUBTREE)
+    assert leaks.total(found) == 0, found
+
+
+@pytest.fixture
+def e2b_env(served: tuple[Node, str], monkeypatch: pytest.MonkeyPatch) -> Node:
+    node, address = served
+    monkeypatch.setenv("E2B_API_URL", address)
+    monkeypatch.setenv("E2B_SANDBOX_URL", address)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    return node
+
+
+@pytest.fixture
+async def sbx(e2b_env: Node) -> AsyncIterator[AsyncSandbox]:
+    sb = await AsyncSandbox.create("test/debian", timeout=120)
+    try:
+        yield sb
+    finally:
+        await sb.kill()
+
+
+async def test_create_run_and_kill(e2b_env: Node) -> None:
+    sb = await AsyncSandbox.create("test/debian", metadata={"job": "smoke"})
+    try:
+        info = await sb.get_info()
+        assert info.sandbox_id == sb.sandbox_id
+        assert info.metadata == {"job": "smoke"}
+        assert info.state.value == "running"
+        assert await sb.is_running()
+        r = await sb.commands.run("echo hi; echo err >&2; id -un; pwd")
+        assert r.exit_code == 0
+        assert r.stdout == "hi\nuser\n/home/user\n"
+        assert r.stderr == "err\n"
+    finally:
+        assert await sb.kill()
+    assert (await e2b_env.sandbox_list(labels={"e2b": "test/debian"})) == []
+
+
+async def test_foreground_exit_code_env_and_cwd(sbx: AsyncSandbox) -> None:
+    r = await sbx.commands.run("echo $FOO; pwd", envs={"FOO": "bar"}, cwd="/tmp")
+    assert r.stdout == "bar\n/tmp\n"
+    with pytest.raises(CommandExitException) as ei:
+        await sbx.commands.run("echo out; exit 3")
+    assert ei.value.exit_code == 3
+    assert ei.value.stdout == "out\n"
+    r = await sbx.commands.run("id -u", user="root")
+    assert r.stdout == "0\n"
+
+
+async def test_streaming_callbacks_and_background(sbx: AsyncSandbox) -> None:
+    seen: list[str] = []
+    r = await sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append)
+    assert "".join(seen) == "1\n2\n3\n" == r.stdout
+    # a background process: listed while it runs, killed by pid, ends exactly once
+    h = await sbx.commands.run("sleep 600", background=True)
+    pids = [p.pid for p in await sbx.commands.list()]
+    assert h.pid in pids
+    assert await sbx.commands.kill(h.pid)
+    with pytest.raises(CommandExitException):
+        await h.wait()
+    assert h.pid not in [p.pid for p in await sbx.commands.list()]
+    assert not await sbx.commands.kill(h.pid)
+
+
+async def test_stdin_and_a_second_client(sbx: AsyncSandbox) -> None:
+    h = await sbx.commands.run(
+        "read a; echo got:$a; read b; echo got:$b", background=True, stdin=True
+    )
+    # a second client attaches to the running process and sees what follows
+    other: list[str] = []
+    h2 = await sbx.commands.connect(h.pid, on_stdout=other.append)
+    await sbx.commands.send_stdin(h.pid, "one\n")
+    await sbx.commands.send_stdin(h.pid, "two\n")
+    r = await h.wait()
+    assert r.exit_code == 0
+    assert r.stdout == "got:one\ngot:two\n"
+    r2 = await h2.wait()
+    assert r2.exit_code == 0
+    assert "got:two" in "".join(other)
+
+
+async def test_disconnect_does_not_kill(sbx: AsyncSandbox) -> None:
+    h = await sbx.commands.run("sleep 1; echo done > /tmp/flag", background=True)
+    await h.disconnect()
+    again = await sbx.commands.connect(h.pid)
+    r = await again.wait()
+    assert r.exit_code == 0
+    assert await sbx.files.read("/tmp/flag") == "done\n"
+
+
+async def test_files_round_trip(sbx: AsyncSandbox) -> None:
+    blob = bytes(range(256)) * 4096 + b"\x00\xff"  # 1 MiB + 2, every byte value
+    await sbx.files.write("data/blob.bin", blob)
+    assert await sbx.files.read("data/blob.bin", format="bytes") == blob
+    assert await sbx.files.read("/home/user/data/blob.bin", format="bytes") == blob
+    r = await sbx.commands.run("stat -c '%U %s' data/blob.bin")
+    assert r.stdout == f"user {len(blob)}\n"
+    await sbx.files.write_files(
+        [{"path": "/tmp/a.txt", "data": "A"}, {"path": "/tmp/b.txt", "data": b"B"}]
+    )
+    names = {e.name for e in await sbx.files.list("/tmp")}
+    assert {"a.txt", "b.txt"} <= names
+    assert await sbx.files.exists("/tmp/a.txt")
+    assert not await sbx.files.exists("/tmp/nope")
+    assert await sbx.files.make_dir("newdir")
+    assert not await sbx.files.make_dir("newdir")
+    info = await sbx.files.rename("/tmp/a.txt", "newdir/a.txt")
+    assert info.path == "/home/user/newdir/a.txt"
+    assert (await sbx.files.get_info("newdir/a.txt")).size == 1
+    await sbx.files.remove("newdir")
+    assert not await sbx.files.exists("newdir")
+    with pytest.raises(NotFoundException):
+        await sbx.files.read("/nope/at/all")
+
+
+async def test_watch_dir(sbx: AsyncSandbox) -> None:
+    await sbx.files.make_dir("/tmp/w")
+    events: list[object] = []
+    got = asyncio.Event()
+
+    def on_event(ev: object) -> None:
+        events.append(ev)
+        got.set()
+
+    handle = await sbx.files.watch_dir("/tmp/w", on_event=on_event)
+    try:
+        await sbx.files.write("/tmp/w/new.txt", "x")
+        await asyncio.wait_for(got.wait(), 30)
+    finally:
+        await handle.stop()
+    assert any(getattr(e, "name", "") == "new.txt" for e in events)
+
+
+async def test_list_paging_with_metadata(e2b_env: Node) -> None:
+    made = [
+        await AsyncSandbox.create("test/debian", metadata={"suite": "paging", "i": str(i)})
+        for i in range(3)
+    ]
+    try:
+        from e2b import SandboxQuery
+
+        pager = AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "paging"}), limit=2)
+        first = await pager.next_items()
+        assert len(first) == 2 and pager.has_next
+        second = await pager.next_items()
+        assert len(second) == 1 and not pager.has_next
+        ids = {s.sandbox_id for s in first + second}
+        assert ids == {s.sandbox_id for s in made}
+        one = await AsyncSandbox.list(query=SandboxQuery(metadata={"i": "1"})).next_items()
+        assert [s.sandbox_id for s in one] == [made[1].sandbox_id]
+    finally:
+        for s in made:
+            await s.kill()
+
+
+async def test_pause_then_connect_resumes(sbx: AsyncSandbox) -> None:
+    await sbx.commands.run("echo kept > /tmp/state")
+    assert await sbx.pause()
+    assert not await sbx.pause()  # already paused: 409, which the SDK reports as False
+    info = await AsyncSandbox.get_info(sbx.sandbox_id)
+    assert info.state.value == "paused"
+    again = await AsyncSandbox.connect(sbx.sandbox_id)
+    assert (await again.get_info()).state.value == "running"
+    assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
+
+
+async def test_timeout_and_metrics(sbx: AsyncSandbox) -> None:
+    await sbx.set_timeout(600)
+    info = await sbx.get_info()
+    assert (info.end_at - info.started_at).total_seconds() > 500
+    metrics = await sbx.get_metrics()
+    assert metrics and metrics[0].mem_total > 0
+
+
+async def test_timeout_destroys(e2b_env: Node) -> None:
+    sb = await AsyncSandbox.create("test/debian", timeout=1)
+    while await sb.is_running():
+        await asyncio.sleep(0.2)
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.get_info(sb.sandbox_id)
+
+
+async def test_errors(e2b_env: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = "sb-000000000000-" + "0" * 12
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.get_info(missing)
+    assert not await AsyncSandbox.kill(missing)
+    with pytest.raises(SandboxException, match="template 'no/such' not found"):
+        await AsyncSandbox.create("no/such")
+    monkeypatch.setenv("E2B_API_KEY", "wrong")
+    with pytest.raises(AuthenticationException):
+        await AsyncSandbox.create("test/debian")
+
+
+async def test_envd_token_is_per_sandbox(e2b_env: Node) -> None:
+    a = await AsyncSandbox.create("test/debian")
+    b = await AsyncSandbox.create("test/debian")
+    try:
+        import httpx
+
+        address = await _address()
+        tok_a = a._envd_access_token  # type: ignore[attr-defined]
+        async with httpx.AsyncClient(base_url=address) as c:
+            ok = await c.get(
+                "/health", headers={"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": tok_a}
+            )
+            assert ok.status_code == 204
+            bad = await c.get(
+                "/files",
+                params={"path": "/etc/hostname"},
+                headers={"E2b-Sandbox-Id": b.sandbox_id, "X-Access-Token": tok_a},
+            )
+            assert bad.status_code == 401
+            assert set(bad.json()) == {"code", "message"}
+    finally:
+        await a.kill()
+        await b.kill()
+
+
+async def _address() -> str:
+    import os
+
+    return os.environ["E2B_SANDBOX_URL"]
+
+
+def test_bench_e2b_json_shape(images_ready: None) -> None:
+    """``corral bench e2b`` at a tiny count: the JSON line the issue names."""
+    import shutil
+
+    from tests.conftest import TEST_STORE
+    from tests.integration.conftest import run_bench
+
+    state = Path(f"/var/lib/corral-test{TAG}-e2bbench")
+    run = Path(f"/run/corral-test{TAG}-e2bbench")
+    try:
+        out = run_bench(
+            "e2b",
+            "--count",
+            "3",
+            state=state,
+            run=run,
+            subtree=f"corral-test{TAG}-e2bbench",
+            store=TEST_STORE,
+            image="test/debian",
+            timeout=180,
+        )
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+    assert out["scenario"] == "e2b" and out["count"] == 3
+    assert out["errors"] == 0 and out["native"]["errors"] == 0
+    for d, keys in (
+        (out, ("create_p50_ms", "run_p50_ms")),
+        (out["native"], ("create_p50_ms", "exec_p50_ms")),
+    ):
+        for k in keys:
+            assert isinstance(d[k], int | float) and d[k] > 0, (k, d)
+
+
+async def test_blocking_sdk(e2b_env: Node) -> None:
+    """The blocking ``Sandbox`` (what most harnesses use), in a thread: the node's server
+    runs on this test's event loop."""
+    from e2b import Sandbox
+
+    def harness() -> tuple[str, bytes, list[str]]:
+        sb = Sandbox.create("test/debian")
+        try:
+            out = sb.commands.run("echo sync").stdout
+            sb.files.write("/tmp/b.bin", b"\x00\x01\xfe")
+            data = sb.files.read("/tmp/b.bin", format="bytes")
+            seen = [s.sandbox_id for s in Sandbox.list().next_items()]
+            return out, bytes(data), seen if sb.sandbox_id in seen else []
+        finally:
+            sb.kill()
+
+    out, data, seen = await asyncio.to_thread(harness)
+    assert out == "sync\n" and data == b"\x00\x01\xfe" and seen
+
+
+async def test_pty(sbx: AsyncSandbox) -> None:
+    from e2b import PtySize
+
+    got = bytearray()
+    done = asyncio.Event()
+
+    def on_data(b: bytes) -> None:
+        got.extend(b)
+        if b"pty-ok" in got:
+            done.set()
+
+    h = await sbx.pty.create(PtySize(rows=24, cols=80), on_data=on_data)
+    await sbx.pty.resize(h.pid, PtySize(rows=33, cols=77))
+    await sbx.pty.send_stdin(h.pid, b"echo pty-$((1+0))ok | tr -d 1; stty size\n")
+    await asyncio.wait_for(done.wait(), 30)
+    await sbx.pty.send_stdin(h.pid, b"exit 0\n")
+    r = await h.wait()
+    assert r.exit_code == 0
+    assert b"33 77" in got
+
+
+async def test_port_proxy(sbx: AsyncSandbox, e2b_env: Node) -> None:
+    """An HTTP server in the sandbox, on its loopback only, reached through the node by
+    path and by E2B's host form; refused without a token or with another sandbox's."""
+    import httpx
+
+    await sbx.files.write("/tmp/www/hello.txt", b"hello \x00 port")
+    await sbx.commands.run(
+        "cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True
+    )
+    address = await _address()
+    own = {"X-Access-Token": sbx._envd_access_token}  # type: ignore[attr-defined]
+    path = f"/sandboxes/{sbx.sandbox_id}/ports/8000/hello.txt"
+    async with httpx.AsyncClient(base_url=address, timeout=60) as c:
+        # readiness: the server answers once it listens (502 until then)
+        for _ in range(300):
+            r = await c.get(path, headers=own)
+            if r.status_code != 502:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 200 and r.content == b"hello \x00 port"
+        host = {"Host": f"8000-{sbx.sandbox_id}.e2b.local", **own}
+        r = await c.get("/hello.txt", headers=host)
+        assert r.status_code == 200 and r.content == b"hello \x00 port"
+        r = await c.get("/nope", headers=host)
+        assert r.status_code == 404
+        assert (await c.get(path)).status_code == 401
+        other = await AsyncSandbox.create("test/debian")
+        try:
+            theirs = {"X-Access-Token": other._envd_access_token}  # type: ignore[attr-defined]
+            assert (await c.get(path, headers=theirs)).status_code == 401
+        finally:
+            await other.kill()
+        assert (await c.get(path, headers={"X-API-KEY": TOKEN})).status_code == 200
+
+
+async def test_snapshot_and_fork(sbx: AsyncSandbox) -> None:
+    await sbx.files.write("/tmp/kept.txt", "from the parent")
+    snap = await sbx.create_snapshot()
+    child = await AsyncSandbox.create(snap.snapshot_id)
+    try:
+        assert await child.files.read("/tmp/kept.txt") == "from the parent"
+    finally:
+        await child.kill()
+        assert await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+        _drop_snapshot_layers(sbx.sandbox_id)
+    assert not await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+    forks = await sbx.fork(count=2)
+    try:
+        for f in forks:
+            assert await f.files.read("/tmp/kept.txt") == "from the parent"
+            assert (await f.commands.run("id -un")).stdout == "user\n"
+    finally:
+        for f in forks:
+            await f.kill()
+
+
+def _drop_snapshot_layers(sandbox_id: str) -> None:
+    """The shared test store keeps no layer of this test's snapshot (removing the image
+    leaves its layer for a node's gc)."""
+    from corral.images.store import LayerStore
+    from tests.conftest import TEST_STORE
+
+    store = LayerStore(TEST_STORE)
+    used = {d for i in store.images() for d in i.layers}
+    for layer in store.layers():
+        if layer.source == sandbox_id and layer.digest not in used:
+            store.remove_layer(layer.digest)
+
+
+async def test_command_in_a_killed_sandbox(e2b_env: Node) -> None:
+    from e2b.exceptions import SandboxNotRunningException
+
+    sb = await AsyncSandbox.create("test/debian")
+    await sb.kill()
+    with pytest.raises(SandboxNotRunningException):
+        await sb.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        await sb.files.read("/etc/hostname")
+
+
+async def test_written_files_belong_to_the_user(sbx: AsyncSandbox) -> None:
+    await sbx.files.write("/tmp/new/deeper/f.txt", "x")
+    await sbx.files.write("/etc/hostname", "still-roots\n")
+    r = await sbx.commands.run(
+        "stat -c '%U %n' /tmp /tmp/new /tmp/new/deeper /tmp/new/deeper/f.txt /etc/hostname"
+    )
+    assert r.stdout.splitlines() == [
+        "root /tmp",
+        "user /tmp/new",
+        "user /tmp/new/deeper",
+        "user /tmp/new/deeper/f.txt",
+        "root /etc/hostname",
+    ]
+
+
+async def test_large_streamed_output(sbx: AsyncSandbox) -> None:
+    """More than the sandbox's buffered-exec output limit (1 MiB): streamed, not cut."""
+    r = await sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' x; echo")
+    assert len(r.stdout) == 3000001 and r.exit_code == 0

@@ -1,0 +1,188 @@
+"""The E2B gateway over the FakeNode: routing, auth, the control plane's status codes and
+error bodies, and envd's answers to bad input (no root, no e2b SDK calls: raw HTTP)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from corral.api.app import create_app
+from corral.testing import FakeNode
+
+pytest.importorskip("e2b", reason="needs the e2b extra: pip install 'corral[e2b]'")
+
+from corral.integrations.e2b import E2BConfig, E2BGateway, envd_token  # noqa: E402
+
+TOKEN = "t0k"
+KEY = {"X-API-KEY": TOKEN}
+
+
+def _app(node: FakeNode, max_upload: int = 1 << 20) -> E2BGateway:
+    # root: the FakeNode's toy exec cannot add the default account
+    config = E2BConfig(templates={"base": "demo/base"}, default_user="root")
+    inner = create_app(node, token=TOKEN)
+    return E2BGateway(inner, node, token=TOKEN, config=config, max_upload=max_upload)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[tuple[FakeNode, httpx.AsyncClient]]:
+    node = FakeNode(max_sandboxes=3)
+    transport = httpx.ASGITransport(_app(node))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node.test") as c:
+        yield node, c
+
+
+def _is_e2b_error(resp: httpx.Response, code: int) -> None:
+    assert resp.status_code == code, resp.text
+    body = resp.json()
+    assert set(body) == {"code", "message"} and body["code"] == code and body["message"]
+
+
+async def _create(c: httpx.AsyncClient, **body: object) -> dict[str, str]:
+    r = await c.post("/v2/sandboxes", json={"templateID": "base", **body}, headers=KEY)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def test_api_key_is_checked(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    _is_e2b_error(await c.get("/v2/sandboxes"), 401)
+    _is_e2b_error(await c.get("/v2/sandboxes", headers={"X-API-KEY": "wrong"}), 401)
+    assert (await c.get("/v2/sandboxes", headers=KEY)).json() == []
+    # corral's own API keeps its bearer token; the E2B key does not open it
+    assert (await c.get("/v1/sandboxes", headers=KEY)).status_code == 401
+
+
+async def test_lifecycle_status_codes(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    sb = await _create(c, metadata={"k": "v"}, timeout=60)
+    sid = sb["sandboxID"]
+    assert sb["envdVersion"] >= "0.6.4" and sb["envdAccessToken"] == envd_token(TOKEN, sid)
+    detail = (await c.get(f"/sandboxes/{sid}", headers=KEY)).json()
+    assert detail["state"] == "running" and detail["metadata"] == {"k": "v"}
+    assert (await c.post(f"/sandboxes/{sid}/pause", headers=KEY)).status_code == 204
+    _is_e2b_error(await c.post(f"/sandboxes/{sid}/pause", headers=KEY), 409)
+    r = await c.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}, headers=KEY)
+    assert r.status_code == 201 and r.json()["sandboxID"] == sid
+    r = await c.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}, headers=KEY)
+    assert r.status_code == 200
+    assert (
+        await c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 5}, headers=KEY)
+    ).status_code == 204
+    assert (await c.delete(f"/sandboxes/{sid}", headers=KEY)).status_code == 204
+    _is_e2b_error(await c.delete(f"/sandboxes/{sid}", headers=KEY), 404)
+    _is_e2b_error(await c.get(f"/sandboxes/{sid}", headers=KEY), 404)
+
+
+async def test_bad_requests(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    _is_e2b_error(await c.post("/v2/sandboxes", json={"templateID": "no/such"}, headers=KEY), 404)
+    _is_e2b_error(await c.post("/v2/sandboxes", content=b"{not json", headers=KEY), 400)
+    _is_e2b_error(await c.post("/v2/sandboxes", json={}, headers=KEY), 400)
+    _is_e2b_error(
+        await c.post("/v2/sandboxes", json={"templateID": "base", "timeout": -1}, headers=KEY), 400
+    )
+    _is_e2b_error(await c.get("/v2/sandboxes?nextToken=bogus", headers=KEY), 400)
+
+
+async def test_capacity_is_429_with_retry_after(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    for _ in range(3):
+        await _create(c)
+    r = await c.post("/v2/sandboxes", json={"templateID": "base"}, headers=KEY)
+    _is_e2b_error(r, 429)
+    assert r.headers["retry-after"].isdigit()
+    # the SDK would retry: Should-Retry is not set, so 429 alone marks it retryable
+
+
+async def test_list_paging_and_filters(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    ids = {(await _create(c, metadata={"run": "a"}))["sandboxID"] for _ in range(2)}
+    other = (await _create(c, metadata={"run": "b"}))["sandboxID"]
+    r = await c.get("/v2/sandboxes", params={"metadata": "run=a", "limit": 1}, headers=KEY)
+    token = r.headers["x-next-token"]
+    r2 = await c.get(
+        "/v2/sandboxes", params={"metadata": "run=a", "limit": 1, "nextToken": token}, headers=KEY
+    )
+    assert "x-next-token" not in r2.headers
+    assert {d["sandboxID"] for d in r.json() + r2.json()} == ids
+    paused = await c.get("/v2/sandboxes", params={"state": "paused"}, headers=KEY)
+    assert paused.json() == []
+    await c.post(f"/sandboxes/{other}/pause", headers=KEY)
+    paused = await c.get("/v2/sandboxes", params={"state": "paused"}, headers=KEY)
+    assert [d["sandboxID"] for d in paused.json()] == [other]
+
+
+async def test_envd_refuses_bad_input(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    a = (await _create(c))["sandboxID"]
+    b = (await _create(c))["sandboxID"]
+    own = {"E2b-Sandbox-Id": a, "X-Access-Token": envd_token(TOKEN, a) or ""}
+    assert (await c.get("/health", headers=own)).status_code == 204
+    # no token, and a token of another sandbox
+    _is_e2b_error(await c.get("/health", headers={"E2b-Sandbox-Id": a}), 401)
+    _is_e2b_error(await c.get("/health", headers={**own, "E2b-Sandbox-Id": b}), 401)
+    # oversized upload
+    r = await c.post(
+        "/files",
+        params={"path": "/tmp/x"},
+        content=b"x" * ((1 << 20) + 1),
+        headers={**own, "Content-Type": "application/octet-stream"},
+    )
+    _is_e2b_error(r, 400)
+    # a file that is not there
+    _is_e2b_error(await c.get("/files", params={"path": "/nope"}, headers=own), 404)
+    # Connect: an unknown method, and a frame that is not protobuf
+    proto = {**own, "Content-Type": "application/proto", "Connect-Protocol-Version": "1"}
+    r = await c.post("/process.Process/Nope", content=b"", headers=proto)
+    assert r.status_code == 404
+    r = await c.post("/filesystem.Filesystem/Stat", content=b"\xff\xff\xff", headers=proto)
+    assert 400 <= r.status_code < 500, r.text
+    stream = {**own, "Content-Type": "application/connect+proto", "Connect-Protocol-Version": "1"}
+    bad_frame = struct.pack(">BI", 0, 1000) + b"short"
+    r = await c.post("/process.Process/Start", content=bad_frame, headers=stream)
+    assert r.status_code < 500 or r.status_code == 200, r.text  # an error in the stream's end
+
+
+async def test_sandbox_gone_reads_as_not_running(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    a = (await _create(c))["sandboxID"]
+    own = {"E2b-Sandbox-Id": a, "X-Access-Token": envd_token(TOKEN, a) or ""}
+    await c.delete(f"/sandboxes/{a}", headers=KEY)
+    r = await c.get("/health", headers=own)
+    _is_e2b_error(r, 502)
+    assert "was not found" in r.json()["message"]
+
+
+async def test_network_fork_and_snapshot(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    _, c = http
+    sid = (await _create(c))["sandboxID"]
+    r = await c.put(f"/sandboxes/{sid}/network", json={"egressProxy": {}}, headers=KEY)
+    _is_e2b_error(r, 400)
+    assert "egressProxy" in r.json()["message"]
+    # corral's policy holds named permissions, not CIDRs: a clear 400
+    r = await c.put(f"/sandboxes/{sid}/network", json={"denyOut": ["10.0.0.0/8"]}, headers=KEY)
+    _is_e2b_error(r, 400)
+    r = await c.put(f"/sandboxes/{sid}/network", json={"allow_internet_access": False}, headers=KEY)
+    assert r.status_code == 204, r.text
+    r = await c.post(f"/sandboxes/{sid}/snapshots", json={}, headers=KEY)
+    assert r.status_code == 201 and r.json()["names"] == [r.json()["snapshotID"]]
+    r = await c.post(f"/sandboxes/{sid}/fork", json={"count": 2}, headers=KEY)
+    assert r.status_code == 201, r.text
+    assert len(r.json()) == 2 and all(f["sandbox"]["sandboxID"] != sid for f in r.json())
+    _is_e2b_error(await c.post(f"/sandboxes/{sid}/fork", json={"count": 0}, headers=KEY), 400)
+
+
+async def test_an_unexpected_error_is_a_500_in_e2b_shape(
+    http: tuple[FakeNode, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node, c = http
+
+    async def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(node, "sandbox_list", broken)
+    _is_e2b_error(await c.get("/v2/sandboxes", headers=KEY), 500)
