@@ -121,5 +121,20 @@ def network_cmd(
     return network(opts, count, updates, rounds, parse_bytes(size))
 
 
+@scenario(app, "fuzz")
+def fuzz_cmd(
+    opts: BenchOptions,
+    cases: Annotated[int, typer.Option("--cases", min=1, help="Requests generated.")] = 2000,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Hypothesis seed (same seed, same cases).")
+    ] = 0,
+) -> Scenario:
+    """schemathesis against the node's OpenAPI spec over HTTP, real sandboxes behind it:
+    answers >= 500, undocumented statuses, schema violations; the node checked after."""
+    from corral.bench.fuzz import fuzz
+
+    return fuzz(opts, cases, seed)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()
