@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.bench.scenarios import BenchOptions, say
+from corral.errors import CorralError
 from corral.host import leaks
 
 __all__ = ["fuzz", "FuzzReport", "run_cases"]
@@ -142,6 +143,7 @@ def run_cases(base: str, token: str, image: str, cases: int, seed: int) -> FuzzR
     import schemathesis
     from hypothesis import HealthCheck, Phase, settings
     from schemathesis.checks import not_a_server_error
+    from schemathesis.core.result import Err
     from schemathesis.core.failures import FailureGroup
     from schemathesis.generation import GenerationMode
     from schemathesis.specs.openapi.checks import (
@@ -155,7 +157,12 @@ def run_cases(base: str, token: str, image: str, cases: int, seed: int) -> FuzzR
     spec.raise_for_status()
     schema = schemathesis.openapi.from_dict(spec.json())
     schema.config.update(base_url=base)
-    ops = [r.ok() for r in schema.get_all_operations() if r.ok().path not in _SKIP_PATHS]
+    ops = []
+    for result in schema.get_all_operations():
+        if isinstance(result, Err):
+            raise CorralError(f"the node's own OpenAPI spec is invalid: {result.err()}")
+        if result.ok().path not in _SKIP_PATHS:
+            ops.append(result.ok())
     ops.sort(key=lambda o: (o.path, o.method))
     targets = _Targets(base, token, image)
     targets.ensure()
