@@ -136,5 +136,18 @@ def fuzz_cmd(
     return fuzz(opts, cases, seed)
 
 
+@scenario(app, "soak")
+def soak_cmd(
+    opts: BenchOptions,
+    cycles: Annotated[int, typer.Option("--cycles", min=1, help="Sandbox lives run.")] = 10000,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """Create, exec, files, shell, pause/resume (every 10th), fork (every 50th), destroy,
+    CYCLES times: errors, leaks after, node RSS and SQLite growth, create p99 drift."""
+    from corral.bench.soak import soak
+
+    return soak(opts, cycles, concurrency)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()
