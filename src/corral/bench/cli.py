@@ -149,5 +149,18 @@ def soak_cmd(
     return soak(opts, cycles, concurrency)
 
 
+@scenario(app, "crash")
+def crash_cmd(
+    opts: BenchOptions,
+    count: Count = 500,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Kill and restart repeats.")] = 5,
+) -> Scenario:
+    """SIGKILL the node agent with COUNT live, paused and busy sandboxes and operations in
+    flight, start it again: sandboxes lost, leftovers, seconds until all answer again."""
+    from corral.bench.crash import crash
+
+    return crash(opts, count, rounds)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()

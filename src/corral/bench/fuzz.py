@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.bench.leftovers import settled_scan
 from corral.bench.scenarios import BenchOptions, say
 from corral.errors import CorralError
 from corral.host import leaks
@@ -258,7 +259,7 @@ async def fuzz(opts: BenchOptions, cases: int, seed: int) -> dict[str, Any]:
         for info in await node.sandbox_list():
             await node.sandbox_destroy(info.id)
         await node.close()
-    found = leaks.scan(opts.state_dir, opts.run_dir, opts.subtree, netns_prefix=opts.subtree)
+    found = await settled_scan(opts)
     left = {k: len(v) for k, v in found.items() if v}
     return {
         "scenario": "fuzz",

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.bench.leftovers import settled_scan
 from corral.bench.scenarios import BenchOptions, say
 from corral.bench.stats import summary_ms
-from corral.host import leaks
 
 __all__ = ["soak"]
 
@@ -143,7 +143,7 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
         for info in await node.sandbox_list():
             await node.sandbox_destroy(info.id)
         await node.close()
-    found = leaks.scan(opts.state_dir, opts.run_dir, opts.subtree, netns_prefix=opts.subtree)
+    found = await settled_scan(opts)
     by_kind = {k: len(v) for k, v in found.items()}
     by_kind.update(view)
     by_kind.update(fds_threads)
