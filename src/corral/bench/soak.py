@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,12 @@ def _db_bytes(state_dir: Path) -> int:
     return sum(p.stat().st_size for p in state_dir.glob("state.db*") if p.is_file())
 
 
+def _threads() -> int:
+    """Threads of this process but the event loop's executor pool, which grows to its
+    bound (to_thread) when busy and is no leak."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("asyncio_"))
+
+
 def _growth(early: int, late: int) -> float:
     return round((late - early) / early, 4) if early else 0.0
 
@@ -66,8 +73,19 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
     done = 0
     base: dict[str, int] = {}
 
+    def finished() -> None:
+        """Count a cycle, failed or not, and sample at every tenth."""
+        nonlocal done
+        done += 1
+        if done % tenth == 0:
+            samples[done // tenth] = (_rss(), _db_bytes(opts.state_dir))
+        if done == tenth:
+            # after the first tenth at full concurrency: the thread pool and the
+            # node's caches have grown to their working size
+            base["fds"] = len(os.listdir("/proc/self/fd"))
+            base["threads"] = _threads()
+
     async def cycle(i: int) -> None:
-        nonlocal shells, done
         t0 = time.perf_counter()
         info = await node.sandbox_create(spec)
         create_s[i] = time.perf_counter() - t0
@@ -100,14 +118,6 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
                         raise AssertionError("the fork's copy of the file differs")
         finally:
             await node.sandbox_destroy(sid)
-            done += 1
-            if done % tenth == 0:
-                samples[done // tenth] = (_rss(), _db_bytes(opts.state_dir))
-            if done == tenth:
-                # after the first tenth at full concurrency: the thread pool and the
-                # node's caches have grown to their working size
-                base["fds"] = len(os.listdir("/proc/self/fd"))
-                base["threads"] = len(os.listdir("/proc/self/task"))
 
     sem = asyncio.Semaphore(concurrency)
 
@@ -121,6 +131,8 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
                     shells = False  # the image has no bash: shells are left out, said so
                     return
                 errors.append(f"cycle {i}: {type(e).__name__}: {e}"[:600])
+            finally:
+                finished()
 
     view: dict[str, int] = {}
     fds_threads: dict[str, int] = {}
@@ -137,8 +149,8 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
         view["subvolumes"] = len(list(node.scratch.subvols()))
         # the process's own fds and threads after all sandboxes are gone, against the
         # end of the first tenth (pools and the database are open by then)
-        for kind, d in (("fds", "/proc/self/fd"), ("threads", "/proc/self/task")):
-            fds_threads[kind] = max(0, len(os.listdir(d)) - base.get(kind, 0))
+        fds_threads["fds"] = max(0, len(os.listdir("/proc/self/fd")) - base.get("fds", 0))
+        fds_threads["threads"] = max(0, _threads() - base.get("threads", 0))
     finally:
         for info in await node.sandbox_list():
             await node.sandbox_destroy(info.id)
