@@ -52,7 +52,13 @@ from corral.spec import (
     ShellInfo,
 )
 
-__all__ = ["create_app", "ComposeRequest", "ShellOpenRequest", "ShellRunRequest"]
+__all__ = [
+    "create_app",
+    "ComposeRequest",
+    "ErrorAnswer",
+    "ShellOpenRequest",
+    "ShellRunRequest",
+]
 
 log = logging.getLogger("corral.api")
 
@@ -64,6 +70,49 @@ _RAW_BODY = {
 }
 _RAW_ANSWER: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/octet-stream": {}}, "description": "raw bytes"}
+}
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: ``kind`` is the :mod:`corral.errors` class name (the SDK raises
+    the same class again), ``message`` says what was wrong in words."""
+
+    kind: str
+    message: str
+
+
+class ErrorAnswer(BaseModel):
+    """The body of every error answer: ``{"error": {"kind", "message"}}``."""
+
+    error: ErrorDetail
+
+
+def _error(why: str) -> dict[str, Any]:
+    return {"model": ErrorAnswer, "description": why}
+
+
+# Every answer a route can give besides its success, in the spec so that a client (and a
+# conformance fuzzer) knows each status and its body. Every route can get the first five:
+# auth is checked, bodies and queries are parsed and an unknown id or path is a 404 before
+# the route runs; an unexpected exception is a logged 500 (_CatchAll).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error("InvalidRequest: a value the node refuses (bad label, path, size, name...)"),
+    401: _error("Unauthorized: missing or wrong bearer token (when the node has one)"),
+    404: _error("NotFound: no such sandbox, image, layer, process, shell or route"),
+    413: _error("InvalidRequest: the request body is larger than the node's limit"),
+    422: _error("InvalidRequest: the body or a query parameter does not fit its schema"),
+    500: _error("CorralError: an internal error on the node (logged there)"),
+}
+# What the node answers when an operation meets a sandbox or the host in a state that
+# does not allow it: wrong state (paused, busy), the sandbox's runtime failing, no room.
+_SANDBOX_ERRORS: dict[int | str, dict[str, Any]] = {
+    409: _error("Conflict: the sandbox, image or shell is in a state that forbids this"),
+    502: _error("SandboxError: the sandbox or its runtime failed to do it"),
+    503: _error(
+        "CapacityError or ScratchFull: the node has no room for it now (sandboxes, memory, "
+        "its scratch filesystem)"
+    ),
+    507: _error("QuotaExceeded: the sandbox's disk quota is full"),
 }
 
 
@@ -274,14 +323,14 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
         # no answer for an id that names nothing, a 404 is
         redirect_slashes=False,
     )
-    app.include_router(_routes(ops), prefix="/v1")
+    app.include_router(_routes(ops), prefix="/v1", responses={**_ERRORS, **_SANDBOX_ERRORS})
     app.include_router(pty_router(ops), prefix="/v1")
     observer = getattr(ops, "observer", None)  # the embedded node's metrics, if any
     # /metrics, /v1/stats, timelines, the live feed and the dashboard (/ui); imported here:
     # observe.py's metrics listener builds on the server module, which imports this one
     from corral.api.observe import observe_router
 
-    app.include_router(observe_router(ops, observer))
+    app.include_router(observe_router(ops, observer), responses=_ERRORS)
 
     async def corral_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, CorralError)

@@ -257,5 +257,46 @@ def e2b_cmd(opts: BenchOptions, count: Count = 100) -> Scenario:
     return e2b(opts, count)
 
 
+@scenario(app, "fuzz")
+def fuzz_cmd(
+    opts: BenchOptions,
+    cases: Annotated[int, typer.Option("--cases", min=1, help="Requests generated.")] = 2000,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Hypothesis seed (same seed, same cases).")
+    ] = 0,
+) -> Scenario:
+    """schemathesis against the node's OpenAPI spec over HTTP, real sandboxes behind it:
+    answers >= 500, undocumented statuses, schema violations; the node checked after."""
+    from corral.bench.fuzz import fuzz
+
+    return fuzz(opts, cases, seed)
+
+
+@scenario(app, "soak")
+def soak_cmd(
+    opts: BenchOptions,
+    cycles: Annotated[int, typer.Option("--cycles", min=1, help="Sandbox lives run.")] = 10000,
+    concurrency: Concurrency = 8,
+) -> Scenario:
+    """Create, exec, files, shell, pause/resume (every 10th), fork (every 50th), destroy,
+    CYCLES times: errors, leaks after, node RSS and SQLite growth, create p99 drift."""
+    from corral.bench.soak import soak
+
+    return soak(opts, cycles, concurrency)
+
+
+@scenario(app, "crash")
+def crash_cmd(
+    opts: BenchOptions,
+    count: Count = 500,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Kill and restart repeats.")] = 5,
+) -> Scenario:
+    """SIGKILL the node agent with COUNT live, paused and busy sandboxes and operations in
+    flight, start it again: sandboxes lost, leftovers, seconds until all answer again."""
+    from corral.bench.crash import crash
+
+    return crash(opts, count, rounds)
+
+
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists
     app()

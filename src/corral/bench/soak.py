@@ -1,0 +1,188 @@
+"""``corral bench soak``: the whole life of a sandbox, thousands of times over, to find
+what one run of each test never shows: a leak per cycle, a slower create after hours, a
+database that only grows.
+
+One cycle: create, exec, write a file and read it back, open a shell and run in it, pause
+and resume (every 10th), fork one child and destroy it (every 50th), destroy. Cycles run
+``concurrency`` at a time on an embedded node. The figures compare tenths of the run by
+cycle index: node RSS and SQLite size at the end of the second tenth against the end of
+the last (the first tenth is warm-up: caches, pools, the first layer mount), create p99 of
+the last tenth against the first. After the last cycle the node is closed and the host
+scanned (host/leaks.py) plus the node's own view (cgroups, subvolumes) before it closes.
+
+Example::
+
+    result = await soak(BenchOptions(image="busybox"), cycles=200, concurrency=8)
+    assert result["errors"] == 0 and result["leaked_total"] == 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from corral.bench.leftovers import settled_scan
+from corral.bench.scenarios import BenchOptions, say
+from corral.bench.stats import summary_ms
+
+__all__ = ["soak"]
+
+
+def _rss() -> int:
+    """Resident bytes of this process: the embedded node's agent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _db_bytes(state_dir: Path) -> int:
+    return sum(p.stat().st_size for p in state_dir.glob("state.db*") if p.is_file())
+
+
+def _threads() -> int:
+    """Threads of this process but the event loop's executor pool, which grows to its
+    bound (to_thread) when busy and is no leak."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("asyncio_"))
+
+
+def _growth(early: int, late: int) -> float:
+    return round((late - early) / early, 4) if early else 0.0
+
+
+async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, Any]:
+    """Run ``cycles`` sandbox lives, ``concurrency`` at once, and report what grew."""
+    from corral.bench.image import ensure_image
+    from corral.images.store import LayerStore
+    from corral.node import Node
+    from corral.spec import ExecRequest, ForkRequest, SandboxSpec
+
+    image = await asyncio.to_thread(ensure_image, LayerStore(opts.store_dir), opts.image)
+    node = await Node.open(opts.node_config(concurrency * 2))
+    spec = SandboxSpec(image=image.info.name, labels={"bench": "soak"})
+    create_s: list[float | None] = [None] * cycles
+    errors: list[str] = []
+    shells = True
+    tenth = max(1, cycles // 10)
+    samples: dict[int, tuple[int, int]] = {}
+    done = 0
+    base: dict[str, int] = {}
+
+    def finished() -> None:
+        """Count a cycle, failed or not, and sample at every tenth."""
+        nonlocal done
+        done += 1
+        if done % tenth == 0:
+            samples[done // tenth] = (_rss(), _db_bytes(opts.state_dir))
+        if done == tenth:
+            # after the first tenth at full concurrency: the thread pool and the
+            # node's caches have grown to their working size
+            base["fds"] = len(os.listdir("/proc/self/fd"))
+            base["threads"] = _threads()
+
+    async def cycle(i: int) -> None:
+        t0 = time.perf_counter()
+        info = await node.sandbox_create(spec)
+        create_s[i] = time.perf_counter() - t0
+        sid = info.id
+        try:
+            r = await node.exec(sid, ExecRequest(cmd=["echo", str(i)]))
+            if r.stdout != f"{i}\n".encode():
+                raise AssertionError(f"exec answered {r.stdout!r}, not {i}")
+            data = os.urandom(4096)
+            await node.file_write(sid, "/tmp/soak.bin", data)
+            if await node.file_read(sid, "/tmp/soak.bin") != data:
+                raise AssertionError("file read back differs from what was written")
+            if shells:
+                shell = await node.shell_open(sid)
+                r = await node.shell_run(sid, shell.id, f"X={i}; echo $X")
+                if r.stdout != f"{i}\n".encode():
+                    raise AssertionError(f"shell answered {r.stdout!r}, not {i}")
+                await node.shell_close(sid, shell.id)
+            if i % 10 == 0:
+                await node.sandbox_pause(sid)
+                await node.sandbox_resume(sid)
+                r = await node.exec(sid, ExecRequest(cmd=["true"]))
+                if r.exit_code != 0:
+                    raise AssertionError("exec after resume failed")
+            if i % 50 == 0:
+                for child in await node.sandbox_fork(sid, ForkRequest(count=1)):
+                    got = await node.file_read(child.id, "/tmp/soak.bin")
+                    await node.sandbox_destroy(child.id)
+                    if got != data:
+                        raise AssertionError("the fork's copy of the file differs")
+        finally:
+            await node.sandbox_destroy(sid)
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def guarded(i: int) -> None:
+        nonlocal shells
+        async with sem:
+            try:
+                await cycle(i)
+            except Exception as e:  # noqa: BLE001 - every failure is a figure of the soak
+                if i == 0 and "needs bash" in str(e):
+                    shells = False  # the image has no bash: shells are left out, said so
+                    return
+                errors.append(f"cycle {i}: {type(e).__name__}: {e}"[:600])
+            finally:
+                finished()
+
+    view: dict[str, int] = {}
+    fds_threads: dict[str, int] = {}
+    try:
+        await node.gc(everything=True)
+        await guarded(0)  # alone first: finds out whether the image has bash
+        say(f"soak: {cycles} cycles at concurrency {concurrency} on {image.info.name}")
+        started = time.monotonic()
+        await asyncio.gather(*(guarded(i) for i in range(1, cycles)))
+        wall = time.monotonic() - started
+        left = await node.sandbox_list()
+        view["sandboxes"] = len(left)
+        view["node_cgroups"] = len(list(node.cgroups.list()))
+        view["subvolumes"] = len(list(node.scratch.subvols()))
+        # the process's own fds and threads after all sandboxes are gone, against the
+        # end of the first tenth (pools and the database are open by then)
+        fds_threads["fds"] = max(0, len(os.listdir("/proc/self/fd")) - base.get("fds", 0))
+        fds_threads["threads"] = max(0, _threads() - base.get("threads", 0))
+    finally:
+        for info in await node.sandbox_list():
+            await node.sandbox_destroy(info.id)
+        await node.close()
+    found = await settled_scan(opts)
+    by_kind = {k: len(v) for k, v in found.items()}
+    by_kind.update(view)
+    by_kind.update(fds_threads)
+    first = [t for t in create_s[:tenth] if t is not None]
+    last = [t for t in create_s[-tenth:] if t is not None]
+    p_first = summary_ms(first) if first else {}
+    p_last = summary_ms(last) if last else {}
+    early, late = samples.get(2, (0, 0)), samples.get(max(samples, default=0), (0, 0))
+    return {
+        "scenario": "soak",
+        "cycles": cycles,
+        "concurrency": concurrency,
+        "errors": len(errors),
+        "leaks": by_kind,
+        "leaked_total": sum(by_kind.values()),
+        "rss_growth": _growth(early[0], late[0]),
+        "db_growth": _growth(early[1], late[1]),
+        "p99_ratio_last_first": round(p_last["p99_ms"] / p_first["p99_ms"], 3)
+        if p_first.get("p99_ms") and p_last
+        else None,
+        "create_p99_ms_first": p_first.get("p99_ms"),
+        "create_p99_ms_last": p_last.get("p99_ms"),
+        "rss_mib": {k: round(v[0] / 2**20, 1) for k, v in sorted(samples.items())},
+        "db_kib": {k: round(v[1] / 1024, 1) for k, v in sorted(samples.items())},
+        "shells": shells,
+        "wall_s": round(wall, 1),
+        "cycles_per_s": round(cycles / wall, 2) if wall else None,
+        "error_examples": errors[:10],
+        "image": image.info.name,
+    }
