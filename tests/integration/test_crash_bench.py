@@ -49,12 +49,6 @@ def test_crash_loses_no_sandbox(result: dict[str, Any]) -> None:
     assert result["leaks_after"] == {}  # destroying everything at the end leaves nothing
 
 
-@pytest.mark.xfail(
-    reason="node bug (reported with bench fuzz/soak/crash): an agent killed mid-fork "
-    "leaves the parent frozen (listed running, exec times out) or the fork's subvolume "
-    "for a later gc; killed mid-destroy, a dead sandbox stays listed",
-    strict=False,
-)
 def test_crash_finishes_or_rolls_back_half_done_work(result: dict[str, Any]) -> None:
     assert result["not_answering"] == 0, result["per_round"]
     assert result["leftovers"] == 0, result["per_round"]

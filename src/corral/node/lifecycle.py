@@ -168,6 +168,7 @@ class Lifecycle:
             self.security.adopted(info.id)
         for backend in self.backends.all():
             await backend.recovered()
+
         self.security.recovered()  # the fd holder forgets sandboxes not adopted
         await self.network.adopt(
             (i.id, i.pid, i.address, i.spec.network) for i in self.table.values() if i.address

@@ -186,6 +186,7 @@ class Node:
             host = await open_host(cfg, lock_fd, closers, parts)
             node = cls(cfg, host)
             await node.life.recover()
+            node.snapshots.drop_crashed_work()
         except BaseException:
             # Release the state dir: otherwise this process could never open it again.
             for close in reversed(closers):

@@ -417,6 +417,11 @@ class Pauser:
         stays paused if its cgroup is still frozen."""
         if info.state == "paused" and self._is_frozen(info.id):
             return info
+        if info.state == "running" and self._is_frozen(info.id):
+            # Held frozen by a snapshot or fork (Pauser.frozen) when the agent died.
+            with contextlib.suppress(CorralError):
+                self.cgroups.thaw(info.id)
+            return info
         if info.state in ("pausing", "resuming", "paused"):
             with contextlib.suppress(CorralError):
                 self.cgroups.set_memory(info.id, info.spec.limits.memory, 0)

@@ -44,6 +44,8 @@ FORK_CONCURRENCY = 8
 """Children started at once by one fork (each is a runtime process)."""
 
 _SOURCE_STATES = ("running", "paused")
+_WORK_KINDS = ("snap-", "fork-")
+"""Names of work copies on the scratch fs (see _work_name)."""
 
 
 class Snapshots:
@@ -193,6 +195,17 @@ class Snapshots:
             with contextlib.suppress(CorralError):
                 self.scratch.delete_subvol(name)
             self.in_use.discard(name)
+
+    def drop_crashed_work(self) -> int:
+        """At open: delete the work copies of snapshots and forks that died with the last
+        agent (nothing uses them any more); returns how many."""
+        n = 0
+        for name in self.scratch.subvols():
+            if name.startswith(_WORK_KINDS) and name not in self.in_use:
+                with contextlib.suppress(CorralError):
+                    self.scratch.delete_subvol(name)
+                    n += 1
+        return n
 
     async def _destroy_all(self, infos: list[SandboxInfo]) -> None:
         for info in infos:

@@ -129,8 +129,9 @@ class SandboxTable:
             raise Conflict(f"sandbox {sandbox_id} is {cur.state}, cannot become {state}")
         info = cur.model_copy(update={"state": state, **update})
         self._live[sandbox_id] = info
-        if state != "destroying":  # a crash mid-destroy leaves it for recovery to finish
-            self._state.put_sandbox(info)
+        # Also "destroying": an agent killed mid-destroy leaves a record that the next
+        # open does not adopt but finishes destroying (reported "lost").
+        self._state.put_sandbox(info)
         return info
 
     def update(self, sandbox_id: str, **fields: object) -> SandboxInfo:
