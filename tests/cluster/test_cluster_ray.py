@@ -8,10 +8,10 @@ import time
 import pytest
 
 import corral
+from corral.cluster.local import LocalRayCluster
 from corral.cluster.ray_client import RayOps
 from corral.errors import Conflict, InvalidRequest, JobQuotaExceeded
 from corral.spec import ExecRequest, SandboxSpec
-from corral.cluster.local import LocalRayCluster
 
 IMAGE = "test/busybox"
 

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import open_node
 from tests.conftest import TAG
+from tests.integration.conftest import open_node
 
 STATE = Path(f"/var/lib/corral-test{TAG}-bad")
 RUN = Path(f"/run/corral-test{TAG}-bad")

@@ -19,13 +19,15 @@ from tests.conftest import TAG
 from tests.integration.conftest import open_node
 
 e2b = pytest.importorskip("e2b", reason="needs the e2b extra: pip install 'corral[e2b]'")
-from e2b import AsyncSandbox  # noqa: E402
-from e2b import CommandExitException  # noqa: E402
+from e2b import (  # noqa: E402
+    AsyncSandbox,
+    CommandExitException,
+)
 from e2b.exceptions import (  # noqa: E402
     AuthenticationException,
     NotFoundException,
-    SandboxNotFoundException,
     SandboxException,
+    SandboxNotFoundException,
 )
 
 STATE = Path(f"/var/lib/corral-test{TAG}-e2b")

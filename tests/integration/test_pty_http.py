@@ -16,9 +16,9 @@ from corral.host import leaks
 from corral.node import Node
 from corral.sdk._http import HTTPOps
 from corral.spec import ExecRequest, Limits, PtyRequest, SandboxSpec
+from tests.conftest import TAG
 from tests.integration.conftest import open_node
 from tests.unit.test_pty_ws import run_cli_in_pty
-from tests.conftest import TAG
 
 STATE = Path(f"/var/lib/corral-test{TAG}-pty")
 RUN = Path(f"/run/corral-test{TAG}-pty")

@@ -8,8 +8,8 @@ from pathlib import Path
 from corral.host import leaks
 from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
-from tests.integration.conftest import node_config
 from tests.conftest import TAG
+from tests.integration.conftest import node_config
 
 STATE = Path(f"/var/lib/corral-test{TAG}-restart")
 RUN = Path(f"/run/corral-test{TAG}-restart")

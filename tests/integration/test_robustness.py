@@ -31,8 +31,8 @@ from corral.errors import (
 from corral.host import leaks
 from corral.node import Node
 from corral.spec import ExecChunk, ExecRequest, ExecResult, Limits, SandboxSpec
-from tests.integration.conftest import node_config
 from tests.conftest import TAG
+from tests.integration.conftest import node_config
 
 STATE = Path(f"/var/lib/corral-test{TAG}-rob")
 RUN = Path(f"/run/corral-test{TAG}-rob")
@@ -568,7 +568,6 @@ async def test_exec_outlives_close(images_ready) -> None:
 async def test_failed_open_releases_the_state_dir(images_ready, monkeypatch) -> None:
     """An open that fails in recovery must not keep the state dir locked in this process."""
     from corral.errors import HostError
-
     from corral.node.lifecycle import Lifecycle
 
     async def broken(self: Lifecycle) -> None:

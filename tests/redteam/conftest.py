@@ -42,8 +42,8 @@ import pytest
 import corral
 from corral.sdk import Process, Sandbox
 from corral.spec import ExecResult
-from tests.integration.conftest import images_ready, open_node  # noqa: F401
 from tests.conftest import TAG
+from tests.integration.conftest import images_ready, open_node  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

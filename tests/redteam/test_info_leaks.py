@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 
-
 from tests.redteam.conftest import RED_RUN, RED_STATE, new_canary, out, run, watch
 
 

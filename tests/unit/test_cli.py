@@ -11,8 +11,8 @@ import os
 import signal
 import socket
 import struct
-import termios
 import sys
+import termios
 import threading
 import time
 import types

@@ -10,8 +10,7 @@ from typer.testing import CliRunner
 
 import corral.cli.app as cli_app
 from corral.errors import HostError
-from corral.node import NodeConfig
-from corral.node import doctor, doctor_probes
+from corral.node import NodeConfig, doctor, doctor_probes
 from corral.node.doctor import Check, Probes, fatal_failures, run_checks
 
 GIB = 1 << 30

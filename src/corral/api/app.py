@@ -35,8 +35,6 @@ from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
     CallResult,
-    JudgeRequest,
-    JudgeResult,
     Event,
     EventSummary,
     ExecRequest,
@@ -44,6 +42,8 @@ from corral.spec import (
     FileStat,
     ForkRequest,
     ImageInfo,
+    JudgeRequest,
+    JudgeResult,
     LayerInfo,
     NodeStatus,
     ProcessInfo,

@@ -27,8 +27,8 @@ subtree and the scratch fs are shared, so nobody removes another's), :meth:`stop
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
 import contextlib
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path

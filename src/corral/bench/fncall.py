@@ -16,10 +16,10 @@ import os
 import sys
 from typing import Any
 
+from corral.backends.fncall.config import FnCallConfig, PoolConfig
 from corral.bench.scenarios import BenchOptions, header, many, prepared, say
 from corral.errors import CorralError, ImageNotFound, SandboxError
 from corral.images.store import LayerStore
-from corral.backends.fncall.config import FnCallConfig, PoolConfig
 from corral.sdk import AsyncClient
 
 __all__ = ["fncall"]

@@ -144,8 +144,8 @@ def run_cases(base: str, token: str, image: str, cases: int, seed: int) -> FuzzR
     import schemathesis
     from hypothesis import HealthCheck, Phase, settings
     from schemathesis.checks import not_a_server_error
-    from schemathesis.core.result import Err
     from schemathesis.core.failures import FailureGroup
+    from schemathesis.core.result import Err
     from schemathesis.generation import GenerationMode
     from schemathesis.specs.openapi.checks import (
         content_type_conformance,

@@ -32,8 +32,8 @@ from typing import Any
 
 from corral.bench.dfs import MooseStore
 from corral.bench.ondemand import (
-    _all,
     MIB,
+    _all,
     _mode_opts,
     disk_writes,
     drop_cache,

@@ -28,8 +28,8 @@ from pydantic import ValidationError
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from corral.cli import doctor as doctor_cmd
 from corral.cli import cluster as cluster_cmd
+from corral.cli import doctor as doctor_cmd
 from corral.cli import events as events_cmd
 from corral.cli import fncall as fncall_cmd
 from corral.cli import images as images_cmd

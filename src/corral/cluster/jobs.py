@@ -44,8 +44,8 @@ from corral.errors import (
     Conflict,
     CorralError,
     InvalidRequest,
-    NotFound,
     JobQuotaExceeded,
+    NotFound,
     SandboxNotFound,
 )
 from corral.ops import NodeOps

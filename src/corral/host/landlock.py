@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 
-
 from corral.host._sys import errtext, libc
 
 __all__ = ["SCOPED_ABI", "abi", "support"]

@@ -19,8 +19,8 @@ Example::
 
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 

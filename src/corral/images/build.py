@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from corral.errors import BuildError, InvalidRequest
 from corral.images import _apt
-from corral.images._oci import layer_from_blob, parse_config, read_oci_layout
 from corral.images._oci import blob_path as _blob_path
+from corral.images._oci import layer_from_blob, parse_config, read_oci_layout
 from corral.images._proc import ToolFailed, run_tool
 from corral.images._progress import Step
 from corral.images._rootfs import BuildRoot

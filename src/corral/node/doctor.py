@@ -22,8 +22,8 @@ Example::
 
 from __future__ import annotations
 
-import os
 import asyncio
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +36,6 @@ from corral.host import fdstore, landlock, leaks, spawn
 from corral.host.cbuild import built_path
 from corral.host.cgroups import detect_mode
 from corral.node.config import NodeConfig
-
 from corral.node.doctor_probes import Ctx as _Ctx
 from corral.node.doctor_probes import Host as _Host
 from corral.node.doctor_probes import Probes

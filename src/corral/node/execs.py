@@ -24,10 +24,10 @@ from corral.errors import CorralError, InvalidRequest, NotFound, ProcessNotFound
 from corral.node.lifecycle import Lifecycle
 from corral.node.metrics import PhaseTimer
 from corral.node.pty import NodePty
-from corral.ops import DEFAULT_SHELLS
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
 from corral.node.table import SandboxTable
+from corral.ops import DEFAULT_SHELLS
 from corral.spec import (
     ExecChunk,
     ExecRequest,

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from corral.errors import CorralError, InvalidRequest
 from corral.ops import NodeOps
 from corral.sdk._fncall import FnCall
-from corral.sdk._stats import fetch_stats
 from corral.sdk._sandbox import Sandbox, invalid_request
+from corral.sdk._stats import fetch_stats
 from corral.spec import (
     Event,
     EventSummary,

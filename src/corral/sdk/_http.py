@@ -27,8 +27,6 @@ from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
     CallResult,
-    JudgeRequest,
-    JudgeResult,
     Event,
     EventSummary,
     ExecChunk,
@@ -37,6 +35,8 @@ from corral.spec import (
     FileStat,
     ForkRequest,
     ImageInfo,
+    JudgeRequest,
+    JudgeResult,
     LayerInfo,
     NodeStatus,
     ProcessInfo,

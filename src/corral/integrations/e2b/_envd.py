@@ -15,9 +15,11 @@ import logging
 import posixpath
 from typing import Any
 
-from connectrpc.codec import proto_binary_codec, proto_json_codec
 from connectrpc.code import Code
+from connectrpc.codec import proto_binary_codec, proto_json_codec
 from connectrpc.errors import ConnectError
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process.process_connect import ProcessASGIApplication
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -35,8 +37,6 @@ from corral.integrations.e2b._process import ProcessService
 from corral.integrations.e2b._rpc import user_from_header
 from corral.ops import NodeOps
 from corral.spec import ExecRequest
-from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
-from e2b.envd.process.process_connect import ProcessASGIApplication
 
 log = logging.getLogger("corral.e2b")
 

@@ -19,6 +19,8 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_pb as pb
+from e2b.envd.filesystem.filesystem_connect import Filesystem
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from corral.errors import CorralError, NotFound, SandboxNotFound
@@ -26,8 +28,6 @@ from corral.integrations.e2b._common import E2BConfig, guest_path
 from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
 from corral.ops import NodeOps
 from corral.spec import ExecRequest, FileStat
-from e2b.envd.filesystem import filesystem_pb as pb
-from e2b.envd.filesystem.filesystem_connect import Filesystem
 
 _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY}
 _KINDS = {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}

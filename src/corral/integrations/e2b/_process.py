@@ -30,14 +30,14 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import Process
 
 from corral.errors import CorralError
 from corral.integrations.e2b._common import E2BConfig, guest_path, home_of
 from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
 from corral.ops import NodeOps, PtyStream
 from corral.spec import ExecChunk, ExecRequest, ExecResult, PtyRequest
-from e2b.envd.process import process_pb as pb
-from e2b.envd.process.process_connect import Process
 
 log = logging.getLogger("corral.e2b")
 
