@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from corral.backends.base import (
     Backend,
     CopyPurpose,
+    FixedMeters,
     Freezer,
     HostContext,
     Meters,
@@ -523,7 +524,7 @@ class FakeBackend:
             if self.cgroups.exists(sandbox_id)
             else (None, None)
         )
-        return Meters(
+        return FixedMeters(
             oom_kills=self.cgroups.oom_kills(sandbox_id),
             pids_refused=0,
             disk_used=self.scratch.usage(sandbox_id),

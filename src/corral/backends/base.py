@@ -27,12 +27,14 @@ subtree and the scratch fs are shared, so nobody removes another's), :meth:`stop
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from corral.spec import BackendStatus, FileStat, ImageInfo, LayerInfo, SandboxSpec
 
@@ -48,6 +50,10 @@ __all__ = [
     "Files",
     "HostContext",
     "Meters",
+    "FixedMeters",
+    "CgroupMeters",
+    "run_undo",
+    "in_thread",
     "Started",
     "CopyPurpose",
     "Freezer",
@@ -67,15 +73,76 @@ class Started:
     """Name of the sandbox's cgroup under the node's subtree (all its processes are there)."""
 
 
+class Meters(Protocol):
+    """Kernel counters of one sandbox; None where the backend cannot see one. Read only the
+    ones you need: an implementation may read each from the kernel when it is asked for."""
+
+    @property
+    def oom_kills(self) -> int | None: ...
+    @property
+    def pids_refused(self) -> int | None: ...
+    @property
+    def disk_used(self) -> int | None: ...
+    @property
+    def memory_resident(self) -> int | None: ...
+    @property
+    def memory_swapped(self) -> int | None: ...
+
+
 @dataclass(frozen=True)
-class Meters:
-    """Kernel counters of one sandbox; None where the backend cannot see one."""
+class FixedMeters:
+    """Meters known up front (a sandbox no backend runs: all None)."""
 
     oom_kills: int | None = None
     pids_refused: int | None = None
     disk_used: int | None = None
     memory_resident: int | None = None
     memory_swapped: int | None = None
+
+
+class CgroupMeters:
+    """Meters of a sandbox whose processes are in its cgroup and whose writable layer is its
+    scratch subvolume (the invariant every backend keeps). Each figure is read from the
+    kernel on first use only: an exec's OOM check costs one cgroup read, not five."""
+
+    def __init__(self, ctx: HostContext, sandbox_id: str) -> None:
+        self._ctx, self._sid = ctx, sandbox_id
+
+    @functools.cached_property
+    def oom_kills(self) -> int | None:
+        with contextlib.suppress(Exception):
+            return self._ctx.cgroups.oom_kills(self._sid)
+        return None
+
+    @functools.cached_property
+    def pids_refused(self) -> int | None:
+        with contextlib.suppress(Exception):
+            text = self._ctx.cgroups.control_file("pids", self._sid, "pids.events").read_text()
+            for line in text.splitlines():
+                k, _, v = line.partition(" ")
+                if k == "max":
+                    return int(v)
+        return None
+
+    @functools.cached_property
+    def disk_used(self) -> int | None:
+        with contextlib.suppress(Exception):
+            return self._ctx.scratch.usage(self._sid)
+        return None
+
+    @functools.cached_property
+    def _memory(self) -> tuple[int | None, int | None]:
+        with contextlib.suppress(Exception):
+            return self._ctx.cgroups.memory_usage(self._sid)
+        return None, None
+
+    @property
+    def memory_resident(self) -> int | None:
+        return self._memory[0]
+
+    @property
+    def memory_swapped(self) -> int | None:
+        return self._memory[1]
 
 
 @dataclass
@@ -99,6 +166,8 @@ class HostContext:
     eager_layers: bool = False
     """Benchmark baseline: copy each layer to node-local disk before its first use."""
 
+
+T = TypeVar("T")
 
 CopyPurpose = Literal["snapshot", "fork"]
 
@@ -266,3 +335,24 @@ class Backend(Protocol):
     async def kill_all(self, sandbox_id: str) -> bool:
         """Kill every process of the sandbox; True once its cgroup was seen empty."""
         ...
+
+
+async def run_undo(undo: list[Callable[[], object]]) -> None:
+    """Undo the steps of a create that failed, last first, each even if another fails
+    (a step may be a coroutine function)."""
+    for step in reversed(undo):
+        with contextlib.suppress(Exception):
+            r = step()
+            if hasattr(r, "__await__"):
+                await r
+
+
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a worker thread; if the caller is cancelled, it still waits for the
+    thread to end, so the caller's undo never runs before what it undoes exists."""
+    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from corral.backends import oci
 from corral.backends.base import (
     Backend,
+    CgroupMeters,
     CopyPurpose,
     Freezer,
     HostContext,
@@ -38,6 +39,8 @@ from corral.backends.base import (
     NoPhases,
     Phases,
     Started,
+    in_thread,
+    run_undo,
 )
 from corral.backends.config import ContainerConfig
 from corral.backends.files import SandboxFS
@@ -54,7 +57,7 @@ from corral.init import ensure_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
 
-__all__ = ["ContainerBackend", "remove_sandbox_dir", "cgroup_meters"]
+__all__ = ["ContainerBackend", "remove_sandbox_dir"]
 
 log = logging.getLogger("corral.backends.container")
 
@@ -237,7 +240,7 @@ class ContainerBackend:
         return f
 
     def meters(self, sandbox_id: str) -> Meters:
-        return cgroup_meters(self.ctx, sandbox_id)
+        return CgroupMeters(self.ctx, sandbox_id)
 
     # lifecycle
     async def create(
@@ -256,11 +259,7 @@ class ContainerBackend:
             pid = await self._create(sandbox_id, spec, image, undo, writable_from, phases)
             return Started(pid=pid, cgroup=sandbox_id)
         except BaseException:
-            for step in reversed(undo):
-                with contextlib.suppress(Exception):
-                    r = step()
-                    if hasattr(r, "__await__"):
-                        await r  # type: ignore[misc]
+            await run_undo(undo)
             raise
 
     async def _create(
@@ -286,7 +285,7 @@ class ContainerBackend:
             else:
                 # A snapshot commits a btrfs transaction (2-10 ms): off the event loop, so
                 # the other children of a fork go on starting meanwhile.
-                await _in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
+                await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
         else:
             d.mkdir(mode=0o711)
             undo.append(lambda: remove_sandbox_dir(d))
@@ -575,14 +574,14 @@ class ContainerBackend:
         upper, an empty work dir, the rootfs mountpoint). Returns the seconds held frozen.
         """
         scratch = self.scratch
-        await _in_thread(scratch.snapshot, sandbox_id, dst, None)
-        await _in_thread(scratch.delete_subvol, dst)
+        await in_thread(scratch.snapshot, sandbox_id, dst, None)
+        await in_thread(scratch.delete_subvol, dst)
         t0 = asyncio.get_running_loop().time()
         async with frozen():
             scratch.snapshot(sandbox_id, dst, None)
         held = asyncio.get_running_loop().time() - t0
         if purpose == "fork":
-            await _in_thread(_reset_base, scratch.mountpoint / dst)
+            await in_thread(_reset_base, scratch.mountpoint / dst)
         return held
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
@@ -590,51 +589,19 @@ class ContainerBackend:
         files' owners mapped back from the sandbox's range (an inverse idmapped mount)."""
         inverse = UserNamespace.create(self.host_uid, self.id_count, inverse=True)
         try:
-            job = asyncio.ensure_future(
-                asyncio.to_thread(
-                    functools.partial(
-                        pack_upper,
-                        self.ctx.store,
-                        self.scratch.mountpoint / work / "upper",
-                        inverse=inverse,
-                        mount_dir=self.ctx.state_dir / "pack" / work,
-                        source=source,
-                        max_bytes=max_bytes,
-                    )
+            return await in_thread(
+                functools.partial(
+                    pack_upper,
+                    self.ctx.store,
+                    self.scratch.mountpoint / work / "upper",
+                    inverse=inverse,
+                    mount_dir=self.ctx.state_dir / "pack" / work,
+                    source=source,
+                    max_bytes=max_bytes,
                 )
             )
-            try:
-                return await asyncio.shield(job)
-            except asyncio.CancelledError:
-                await asyncio.wait([job])
-                raise
         finally:
             inverse.close()
-
-
-def cgroup_meters(ctx: HostContext, sandbox_id: str) -> Meters:
-    """Meters of a sandbox whose processes are in its cgroup and whose writable layer is its
-    scratch subvolume (every backend keeps that invariant); unreadable ones are None."""
-    oom = pids = disk = resident = swapped = None
-    with contextlib.suppress(Exception):
-        oom = ctx.cgroups.oom_kills(sandbox_id)
-    with contextlib.suppress(Exception):
-        text = ctx.cgroups.control_file("pids", sandbox_id, "pids.events").read_text()
-        for line in text.splitlines():
-            k, _, v = line.partition(" ")
-            if k == "max":
-                pids = int(v)
-    with contextlib.suppress(Exception):
-        disk = ctx.scratch.usage(sandbox_id)
-    with contextlib.suppress(Exception):
-        resident, swapped = ctx.cgroups.memory_usage(sandbox_id)
-    return Meters(
-        oom_kills=oom,
-        pids_refused=pids,
-        disk_used=disk,
-        memory_resident=resident,
-        memory_swapped=swapped,
-    )
 
 
 def _reset_base(d: Path) -> None:
@@ -669,17 +636,6 @@ def _eager_resolver(store: LayerStore, local: Path) -> Callable[[str], Path]:
         return dst
 
     return resolve
-
-
-async def _in_thread(fn: Callable[..., object], *args: object) -> None:
-    """``fn(*args)`` in a worker thread; if the caller is cancelled, it still waits for the
-    thread to end, so the caller's undo never runs before what it undoes exists."""
-    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        await asyncio.shield(job)
-    except asyncio.CancelledError:
-        await asyncio.wait([job])
-        raise
 
 
 def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool] | None = None) -> None:

@@ -169,15 +169,7 @@ class Execs:
         t.add("process_run", r.duration)
         t.add("agent_round_trip", max(0.0, call - r.duration))
         result = self._to_result(info, r, before)
-        self.life.observer.record(
-            "exec",
-            t.total(),
-            t.phases,
-            sandbox_id=sandbox_id,
-            labels=info.spec.labels,
-            backend=info.backend,
-            qos=info.spec.qos,
-        )
+        self.life.record("exec", t, info)
         return result
 
     async def exec_stream(

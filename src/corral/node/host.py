@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from corral.backends.base import Backend, HostContext, Meters
+from corral.backends.base import Backend, FixedMeters, HostContext, Meters
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
 from corral.images.store import LayerStore
@@ -81,9 +81,9 @@ async def open_host(
     def meters(sandbox_id: str) -> Meters:
         info = table.get(sandbox_id)
         if not registry or info is None:
-            return Meters()
+            return FixedMeters()
         backend = registry[0].get(info.backend)
-        return Meters() if backend is None else backend.meters(sandbox_id)
+        return FixedMeters() if backend is None else backend.meters(sandbox_id)
 
     security = NodeSecurity(
         state.add_event,

@@ -126,7 +126,7 @@ class Lifecycle:
         except BaseException as e:
             self.table.remove(sid)
             self.state.add_event(sid, "create_failed", {"error": str(e)[:2000]})
-            self._record("create", t, info, failed=True)
+            self.record("create", t, info, failed=True)
             if isinstance(e, CorralError):
                 raise
             if isinstance(e, Exception):
@@ -135,10 +135,10 @@ class Lifecycle:
         info = self.table.set_state(sid, "running", pid=started.pid, address=address)
         self.state.add_event(sid, "created", {"image": spec.image, "pid": started.pid, **why})
         self.security.created(sid)
-        self._record("create", t, info)
+        self.record("create", t, info)
         return info
 
-    def _record(self, op: str, t: PhaseTimer, info: SandboxInfo, failed: bool = False) -> None:
+    def record(self, op: str, t: PhaseTimer, info: SandboxInfo, failed: bool = False) -> None:
         """One finished operation on ``info`` into the node's metrics and timings."""
         self.observer.record(
             op,
@@ -287,7 +287,7 @@ class Lifecycle:
                 await self.network.detach(sid)
             self.table.remove(sid)
             self.state.add_event(sid, why, {})
-            self._record("destroy", t, info)
+            self.record("destroy", t, info)
 
     def keep(self, task: asyncio.Task[None]) -> None:
         self.tasks.add(task)

@@ -282,15 +282,7 @@ class Node:
             return out
         finally:
             if info is not None:
-                self.observer.record(
-                    op,
-                    t.total(),
-                    sandbox_id=sandbox_id,
-                    labels=info.spec.labels,
-                    backend=info.backend,
-                    qos=info.spec.qos,
-                    failed=failed,
-                )
+                self.life.record(op, t, info, failed=failed)
 
     # ------------------------------------------------------------------ images
     async def image_get(self, name: str) -> ImageInfo:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from corral.backends.base import (
     Backend,
+    CgroupMeters,
     CopyPurpose,
     Freezer,
     HostContext,
@@ -41,9 +42,9 @@ from corral.backends.base import (
     NoPhases,
     Phases,
     Started,
+    run_undo,
 )
 from corral.backends.config import MicroVMConfig
-from corral.backends.container import cgroup_meters
 from corral.backends.initclient import InitClient
 from corral.backends.microvm import guest, qemu
 from corral.backends.microvm.files import AgentFiles
@@ -187,7 +188,7 @@ class MicroVMBackend:
         return AgentFiles(self.agent(sandbox_id), self._loop)
 
     def meters(self, sandbox_id: str) -> Meters:
-        return cgroup_meters(self.ctx, sandbox_id)
+        return CgroupMeters(self.ctx, sandbox_id)
 
     def vmm_pid(self, sandbox_id: str) -> int | None:
         """QEMU's pid (its -pidfile), if it is still a process of the sandbox's cgroup."""
@@ -236,11 +237,7 @@ class MicroVMBackend:
             pid = await self._create(sandbox_id, spec, image, undo, phases)
             return Started(pid=pid, cgroup=sandbox_id)
         except BaseException:
-            for step in reversed(undo):
-                with contextlib.suppress(Exception):
-                    r = step()
-                    if hasattr(r, "__await__"):
-                        await r  # type: ignore[misc]
+            await run_undo(undo)
             raise
 
     async def _create(
