@@ -23,6 +23,7 @@ import pytest
 
 from corral.bench import dfs
 from corral.errors import LayerCorrupt, StoreUnavailable
+from corral.host import pagecache
 from corral.images import build
 from corral.images.leases import Leases
 from corral.images.store import LayerStore
@@ -92,12 +93,7 @@ async def nodes(images_ready, moose) -> AsyncIterator[tuple[Node, Node]]:  # typ
     assert left == [], f"leases left on the store: {left}"
 
 
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+_drop_cache = pagecache.evict
 
 
 async def sh(node: Node, sid: str, script: str) -> str:

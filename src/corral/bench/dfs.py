@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from corral.bench.netns_host import NetnsHost, wait_port
+from corral.host import pagecache
 
 __all__ = ["MooseStore", "available", "MASTER_PORT", "CHUNK_PORT"]
 
@@ -216,11 +217,7 @@ class MooseStore:
         for root, _, files in os.walk(self.workdir / "chunks"):
             for name in files:
                 with contextlib.suppress(OSError):
-                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
+                    pagecache.evict(os.path.join(root, name))
 
     def cut(self) -> None:
         """Make the servers unreachable (the link goes down; nothing is ended)."""

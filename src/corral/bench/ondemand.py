@@ -43,6 +43,7 @@ from typing import Any
 from corral.bench import dfs
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.errors import SandboxError
+from corral.host import pagecache
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Sandbox
 
@@ -86,13 +87,8 @@ def disk_writes(path: Path) -> int:
     return 0
 
 
-def drop_cache(path: Path) -> None:
-    """Evict one file from the page cache (cold reads without dropping the machine's)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+drop_cache = pagecache.evict
+"""Evict one file from the page cache (cold reads without dropping the machine's)."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Any
 from corral.bench import hostmem
 from corral.bench.scenarios import BenchOptions, header, prepared, say
 from corral.errors import CorralError, SandboxError
+from corral.host import pagecache
 from corral.host.cgroups import Cgroups
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Sandbox
@@ -72,11 +73,7 @@ _LABEL = "corral-bench-share"
 def _evict(path: Path) -> None:
     """Drop this file's clean pages from the page cache (only this file's)."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        pagecache.evict(path)
 
 
 def _private_copies(store: LayerStore, image: ImageInfo, n: int) -> list[ImageInfo]:
