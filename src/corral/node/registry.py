@@ -44,9 +44,6 @@ class Backends:
     def all(self) -> list[Backend]:
         return list(self._by_kind.values())
 
-    def kinds(self) -> list[str]:
-        return list(self._by_kind)
-
     def get(self, kind: str) -> Backend | None:
         return self._by_kind.get(kind)
 
