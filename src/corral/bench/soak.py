@@ -48,7 +48,10 @@ def _db_bytes(state_dir: Path) -> int:
 def _threads() -> int:
     """Threads of this process but the event loop's executor pool, which grows to its
     bound (to_thread) when busy and is no leak."""
-    return sum(1 for t in threading.enumerate() if not t.name.startswith("asyncio_"))
+    # Bounded pools that start their threads on demand (the pauser's reclaim pool, up to
+    # 4) grow when a later pause overlaps another: growth, not a leak.
+    bounded = ("asyncio_", "corral-reclaim")
+    return sum(1 for t in threading.enumerate() if not t.name.startswith(bounded))
 
 
 def _growth(early: int, late: int) -> float:

@@ -266,7 +266,10 @@ class NotifyListener:
     def _take(self, conn: socket.socket) -> None:
         """One runtime connection: the container state (JSON) and one fd (SCM_RIGHTS)."""
         conn.setblocking(True)
-        conn.settimeout(2.0)
+        # The runtime sends from inside the new sandbox's cgroup: a best-effort sandbox gets
+        # idle CPU only, so with every CPU busy its few writes can take seconds. Giving up
+        # after 2 s failed the container's setup (seen: "init did not come up" under load).
+        conn.settimeout(30.0)
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
         fds = array.array("i")
         chunks: list[bytes] = []
