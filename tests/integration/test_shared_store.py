@@ -54,7 +54,8 @@ def moose() -> Iterator[dfs.MooseStore]:
     why = dfs.available()
     if why:
         pytest.skip(why)
-    fs = dfs.MooseStore(WORK, name=NAME, subnet=40, rate_mbit=800)
+    # 1 ms each way: every store read pays a round trip, as on a real network.
+    fs = dfs.MooseStore(WORK, name=NAME, subnet=40, rate_mbit=800, delay_ms=1.0)
     fs.start()
     try:
         yield fs

@@ -191,6 +191,15 @@ _Readahead = Annotated[
         help="Read-ahead of the store's client (MooseFS mfsreadaheadleng); 0: its default.",
     ),
 ]
+_Delay = Annotated[
+    float,
+    typer.Option(
+        "--link-delay-ms",
+        min=0.0,
+        help="Latency added to the store's link each way (a userspace delay line: this "
+        "kernel has no netem); 0 for none.",
+    ),
+]
 
 
 @scenario(
@@ -213,13 +222,21 @@ def ondemand_cmd(
     ] = 1000,
     concurrency: Concurrency = 8,
     readahead_kib: _Readahead = 0,
+    delay_ms: _Delay = 0.5,
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
     from corral.bench.ondemand import ondemand
 
     return ondemand(
-        opts, sandboxes, images, image_mib, link_mbit, concurrency, readahead_kib or None
+        opts,
+        sandboxes,
+        images,
+        image_mib,
+        link_mbit,
+        concurrency,
+        readahead_kib or None,
+        delay_ms=delay_ms,
     )
 
 
@@ -240,12 +257,30 @@ def workspace_cmd(
     ] = 1000,
     concurrency: Concurrency = 8,
     readahead_kib: _Readahead = 0,
+    layer_compress: Annotated[
+        str,
+        typer.Option(
+            "--layer-compress",
+            help="How the workspace layers are built: 'lz4' (what `corral image build dir` "
+            "writes), 'lz4hc' or 'none'.",
+        ),
+    ] = "lz4",
+    delay_ms: _Delay = 0.5,
 ) -> Scenario:
     """Per-sandbox workspaces from a network store: an EROFS layer of the image vs a
     tar.gz extracted into the writable layer."""
     from corral.bench.workspace import workspace
 
-    return workspace(opts, sandboxes, repo_mib, link_mbit, concurrency, readahead_kib or None)
+    return workspace(
+        opts,
+        sandboxes,
+        repo_mib,
+        link_mbit,
+        concurrency,
+        readahead_kib or None,
+        layer_compress=layer_compress,
+        delay_ms=delay_ms,
+    )
 
 
 @scenario(app, "e2b")

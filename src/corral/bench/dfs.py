@@ -3,9 +3,11 @@
 The layer store "may be a shared filesystem mount"; this module makes one on a single
 machine so that claim is exercised, not assumed. Its servers (``mfsmaster`` and one
 ``mfschunkserver``, from Debian's moosefs packages) run in a network namespace of their
-own, joined to this one by a veth whose both ends are shaped with ``tc tbf`` (a
-bandwidth cap; this kernel has no ``sch_netem``, so no added latency: the round trip is
-the veth's plus the FUSE and MooseFS protocol hops), and ``mfsmount`` FUSE-mounts the filesystem here: every
+own, joined to this one by a link whose both ends are shaped with ``tc tbf`` (a
+bandwidth cap) and, with ``delay_ms``, delayed each way by a userspace delay line
+(:mod:`corral.bench.delayline`: this kernel has no ``sch_netem``); without it the link is
+a veth and the round trip only the veth's plus the FUSE and MooseFS protocol hops.
+``mfsmount`` FUSE-mounts the filesystem here: every
 byte a node reads from the store crosses that link, and the link's counters say how many.
 
 Why MooseFS rather than GlusterFS: two daemons with flat config files, no peer probing
@@ -40,6 +42,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from corral.bench.delayline import DelayLine
 from corral.bench.netns_host import NetnsHost, wait_port
 from corral.host import pagecache
 
@@ -76,7 +79,9 @@ class MooseStore:
     buffer); None keeps MooseFS's default (1 MiB more per read once reads look
     sequential). Measured: reading 16 KiB every 160 KiB of a 30 MiB file pulled all
     30 MiB over the link by default, 3.1 MiB with 64 KiB; ``mfsreadaheadsize=0`` means
-    "default", not "off"."""
+    "default", not "off".
+
+    ``delay_ms``: latency added each way (0: a plain veth)."""
 
     def __init__(
         self,
@@ -86,6 +91,7 @@ class MooseStore:
         subnet: int = 0,
         rate_mbit: int = 1000,
         readahead_kib: int | None = None,
+        delay_ms: float = 0.0,
     ) -> None:
         if not 0 <= subnet <= 255:
             raise ValueError(f"subnet {subnet} must be 0..255 (10.252.<subnet>.0/24)")
@@ -99,6 +105,8 @@ class MooseStore:
             host_ip=f"10.252.{subnet}.1",
             ip=f"10.252.{subnet}.2",
         )
+        self.delay_ms = delay_ms
+        self._line: DelayLine | None = None
         self._procs: list[subprocess.Popen[bytes]] = []  # master, chunkserver, mount
 
     @property
@@ -140,7 +148,13 @@ class MooseStore:
             common + f"DATA_PATH = {w / 'cs'}\nHDD_CONF_FILENAME = {w / 'hdd.cfg'}\n"
             f"MASTER_HOST = {ip}\nCSSERV_LISTEN_HOST = {ip}\nHDD_LEAVE_SPACE_DEFAULT = 256MiB\n"
         )
-        self.host.up()
+        if self.delay_ms > 0:
+            subprocess.run(["ip", "netns", "add", self.host.ns], check=True, capture_output=True)
+            h = self.host
+            self._line = DelayLine(h.veth, h.ns, h.host_ip, h.ip, self.delay_ms)
+            self._line.up()
+        else:
+            self.host.up()
         self._shape()
         self._spawn_in_ns(["mfsmaster", "-c", str(w / "master.cfg"), "-f", "start"], "master")
         if not wait_port(ip, MASTER_PORT, timeout):
@@ -239,7 +253,10 @@ class MooseStore:
         for proc in reversed(self._procs):
             _end(proc)
         self._procs.clear()
-        self.host.down()  # deletes the veth pair and with it both qdiscs
+        if self._line is not None:
+            self._line.down()  # ends the pump; its TUN devices and their qdiscs go with it
+            self._line = None
+        self.host.down()  # deletes the veth pair (or what is left) and with it the qdiscs
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

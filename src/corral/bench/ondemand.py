@@ -107,7 +107,9 @@ class Figures:
 # ---------------------------------------------------------------------- set-up
 
 
-def open_dfs(opts: BenchOptions, link_mbit: int, readahead_kib: int | None) -> dfs.MooseStore:
+def open_dfs(
+    opts: BenchOptions, link_mbit: int, readahead_kib: int | None, delay_ms: float = 0.0
+) -> dfs.MooseStore:
     why = dfs.available()
     if why:
         raise SandboxError(f"bench needs a distributed filesystem: {why}")
@@ -120,9 +122,13 @@ def open_dfs(opts: BenchOptions, link_mbit: int, readahead_kib: int | None) -> d
         subnet=64 + h % 128,
         rate_mbit=link_mbit,
         readahead_kib=readahead_kib,
+        delay_ms=delay_ms,
     )
     ra = "client default" if readahead_kib is None else f"{readahead_kib} KiB"
-    say(f"starting MooseFS (link {link_mbit} Mbit/s, read-ahead {ra}) at {fs.mountpoint}")
+    say(
+        f"starting MooseFS (link {link_mbit} Mbit/s, +{delay_ms} ms each way, read-ahead {ra})"
+        f" at {fs.mountpoint}"
+    )
     fs.start()
     return fs
 
@@ -286,12 +292,14 @@ async def ondemand(
     link_mbit: int,
     concurrency: int,
     readahead_kib: int | None = None,
+    *,
+    delay_ms: float = 0.0,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
     base_name = await asyncio.to_thread(_ensure_python_image, opts)
     base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib)
+    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib, delay_ms)
     gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
     try:
         store = LayerStore(fs.mountpoint / "store", timeout=120)
@@ -314,6 +322,7 @@ async def ondemand(
                 sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
             ),
             "link_mbit": link_mbit,
+            "link_delay_ms": delay_ms,
             "store_readahead_kib": readahead_kib,
             "concurrency": concurrency,
             "machine": machine(),

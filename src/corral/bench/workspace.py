@@ -41,7 +41,7 @@ from corral.bench.ondemand import (
     stamp_all,
 )
 from corral.bench.scenarios import BenchOptions, machine, say
-from corral.errors import SandboxError
+from corral.errors import CorralError, SandboxError
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Sandbox
 
@@ -92,9 +92,15 @@ def _write_repo(dst: Path, k: int, corpus: list[bytes]) -> None:
 
 
 def publish(
-    store: LayerStore, base_layers: list[str], count: int, repo_mib: int, gen: Path
+    store: LayerStore,
+    base_layers: list[str],
+    count: int,
+    repo_mib: int,
+    gen: Path,
+    compress: str | None = "lz4",
 ) -> tuple[list[str], list[Path]]:
-    """Per repository: an image base + its layer, and its tar.gz; all evicted from cache."""
+    """Per repository: an image base + its layer (built with ``compress``, as
+    ``corral image build dir`` does), and its tar.gz; all evicted from cache."""
     corpus = _corpus(repo_mib * MIB)
     names, tars = [], []
     (store.root / "repos").mkdir(exist_ok=True)
@@ -102,7 +108,7 @@ def publish(
         src = gen / f"repo{k}"
         shutil.rmtree(src, ignore_errors=True)
         _write_repo(src, k, corpus)
-        li = store.add_dir(src, kind="workspace", source=f"bench-repo{k}", compress=None)
+        li = store.add_dir(src, kind="workspace", source=f"bench-repo{k}", compress=compress)
         name = f"bench/workspace-{k}"
         store.put_image(name, [*base_layers, li.digest], workdir="/work/repo")
         tar_path = store.root / "repos" / f"{k}.tar.gz"
@@ -174,12 +180,19 @@ async def workspace(
     link_mbit: int,
     concurrency: int,
     readahead_kib: int | None = None,
+    *,
+    layer_compress: str = "lz4",
+    delay_ms: float = 0.0,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
+    if layer_compress not in ("lz4", "lz4hc", "none"):
+        raise CorralError(f"--layer-compress {layer_compress!r}: use lz4, lz4hc or none")
+    compress = None if layer_compress == "none" else layer_compress
+
     base_name = await asyncio.to_thread(_ensure_python_image, opts)
     base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib)
+    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib, delay_ms)
     gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
     try:
         store = LayerStore(fs.mountpoint / "store", timeout=120)
@@ -188,7 +201,9 @@ async def workspace(
             await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
         store.put_image("bench/workspace-base", base.layers, workdir="/work")
         say(f"publishing {sandboxes} repositories of ~{repo_mib} MiB as layers and tar.gz")
-        names, tars = await asyncio.to_thread(publish, store, base.layers, sandboxes, repo_mib, gen)
+        names, tars = await asyncio.to_thread(
+            publish, store, base.layers, sandboxes, repo_mib, gen, compress
+        )
         layer_files = [store.path_of(li.digest) for li in store.layers()]
 
         async def from_layer(client: AsyncClient, k: int) -> Sandbox:
@@ -209,7 +224,15 @@ async def workspace(
             "repo_mib": repo_mib,
             "tar_gz_mib": round(sum(t.stat().st_size for t in tars) / len(tars) / MIB, 1),
             "link_mbit": link_mbit,
+            "link_delay_ms": delay_ms,
             "store_readahead_kib": readahead_kib,
+            "layer_compress": layer_compress,
+            "layer_mib": round(
+                sum(store.path_of(store.image(n).layers[-1]).stat().st_size for n in names)
+                / len(names)
+                / MIB,
+                1,
+            ),
             "concurrency": concurrency,
             "machine": machine(),
         }

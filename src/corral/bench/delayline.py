@@ -1,0 +1,168 @@
+"""A link with added latency, made in userspace: netem's job on a kernel without netem.
+
+The shared-store benches want their servers "behind a link with limited bandwidth and
+added latency". This kernel has ``tbf`` (bandwidth) but neither ``sch_netem`` nor
+``sch_fq`` (which would honour per-packet departure times), so no qdisc can delay a
+packet. A delay line does it instead: two TUN devices, ``dev`` on the host and ``eth0``
+in the namespace, joined by a small process that reads each packet from one, holds it
+for ``delay_ms`` and writes it to the other (one FIFO per direction: the delay is
+constant, so order is kept). ``tbf`` still shapes both devices' egress, so bandwidth and
+latency combine as on a real link; the round trip grows by twice ``delay_ms``.
+
+The pump is its own process, not a thread of the bench (whose event loop serves the node
+under test: a packet thread there would share its GIL). It owns both TUN fds, so when it
+ends the devices go with it; :meth:`DelayLine.down` ends it by pid.
+
+Example::
+
+    line = DelayLine(dev="cdfsx", ns="corral-dfs-x", host_ip="10.252.7.1",
+                     ns_ip="10.252.7.2", delay_ms=1.0)
+    line.up()            # the namespace must exist
+    ...
+    line.down()
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import fcntl
+import os
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["DelayLine"]
+
+_TUNSETIFF = 0x400454CA
+_IFF_TUN = 0x0001
+_IFF_NO_PI = 0x1000
+_PR_SET_PDEATHSIG = 1
+_MTU = 32000
+"""Large packets keep the pump's packet rate low (1 Gbit/s ~ 4,000 packets/s a way)."""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass
+class DelayLine:
+    """``dev`` (host, ``host_ip``) <-> ``eth0`` in netns ``ns`` (``ns_ip``), each way
+    delayed by ``delay_ms``."""
+
+    dev: str
+    ns: str
+    host_ip: str
+    ns_ip: str
+    delay_ms: float
+    _pump: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def up(self, timeout: float = 30.0) -> None:
+        """Make both devices, address them, start the pump (the namespace must exist)."""
+        if self.delay_ms < 0:
+            raise ValueError(f"delay_ms {self.delay_ms} must be >= 0")
+        far = f"{self.dev[:11]}-far"
+        fds = [_open_tun(self.dev), _open_tun(far)]
+        try:
+            _ip("link", "set", far, "netns", self.ns)
+            _ip("-n", self.ns, "link", "set", far, "name", "eth0")
+            for ns, dev, ip, peer in (
+                (None, self.dev, self.host_ip, self.ns_ip),
+                (self.ns, "eth0", self.ns_ip, self.host_ip),
+            ):
+                pre = [] if ns is None else ["-n", ns]
+                _ip(*pre, "addr", "add", ip, "peer", peer, "dev", dev)
+                _ip(*pre, "link", "set", dev, "mtu", str(_MTU), "up")
+            _ip("-n", self.ns, "link", "set", "lo", "up")
+            self._pump = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "corral.bench.delayline",
+                    *map(str, fds),
+                    str(self.delay_ms),
+                ],
+                pass_fds=fds,
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            for fd in fds:  # the pump holds its own copies
+                os.close(fd)
+        assert self._pump.stdout is not None
+        ready = self._pump.stdout.readline()  # the pump's readiness line
+        if ready.strip() != b"ready":
+            self.down()
+            raise RuntimeError(f"the delay line's pump did not start (said {ready!r})")
+
+    def down(self) -> None:
+        """End the pump (its devices go with it) and remove what is left."""
+        if self._pump is not None:
+            if self._pump.poll() is None:
+                self._pump.send_signal(signal.SIGTERM)
+                try:
+                    self._pump.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._pump.kill()
+                    self._pump.wait(timeout=30)
+            if self._pump.stdout is not None:
+                self._pump.stdout.close()
+            self._pump = None
+        subprocess.run(["ip", "link", "del", self.dev], capture_output=True)
+
+
+def pump(a: int, b: int, delay: float) -> None:
+    """Move packets a->b and b->a, each held ``delay`` seconds; until SIGTERM."""
+    for fd in (a, b):
+        os.set_blocking(fd, False)
+    queues: dict[int, collections.deque[tuple[float, bytes]]] = {
+        b: collections.deque(),
+        a: collections.deque(),
+    }
+    peer = {a: b, b: a}
+    sel = selectors.DefaultSelector()
+    sel.register(a, selectors.EVENT_READ)
+    sel.register(b, selectors.EVENT_READ)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A bench killed with -9 cannot end us by pid: end with it (the devices go too).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:
+        return
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while True:
+        now = time.monotonic()
+        due = [q[0][0] for q in queues.values() if q]
+        for key, _ in sel.select(max(0.0, min(due) - now) if due else None):
+            src = key.fd
+            q = queues[peer[src]]
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    q.append((time.monotonic() + delay, os.read(src, 65536)))
+        now = time.monotonic()
+        for dst, q in queues.items():
+            while q and q[0][0] <= now:
+                # A full device queue drops the packet, as a congested link would.
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(dst, q[0][1])
+                q.popleft()
+
+
+if __name__ == "__main__":
+    pump(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) / 1000)
