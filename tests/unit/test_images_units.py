@@ -112,7 +112,7 @@ def test_crc32c_matches_the_standard_check_value() -> None:
 def test_compression_choices() -> None:
     assert _compress_args(None) == []
     assert _compress_args("lz4") == ["-zlz4"]
-    assert _compress_args("lz4hc,9") == ["-zlz4hc,9"]
+    assert _compress_args("lz4hc,9") == ["-zlz4hc,9", "-C65536"]  # big pclusters
     with pytest.raises(InvalidRequest):
         _compress_args("zstd")
 

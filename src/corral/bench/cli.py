@@ -261,10 +261,10 @@ def workspace_cmd(
         str,
         typer.Option(
             "--layer-compress",
-            help="How the workspace layers are built: 'lz4' (what `corral image build dir` "
-            "writes), 'lz4hc' or 'none'.",
+            help="How the workspace layers are built: 'lz4hc' (64 KiB clusters, what "
+            "`corral image build dir` writes), 'lz4' or 'none'.",
         ),
-    ] = "lz4",
+    ] = "lz4hc",
     delay_ms: _Delay = 0.5,
 ) -> Scenario:
     """Per-sandbox workspaces from a network store: an EROFS layer of the image vs a

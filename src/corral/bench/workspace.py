@@ -97,7 +97,7 @@ def publish(
     count: int,
     repo_mib: int,
     gen: Path,
-    compress: str | None = "lz4",
+    compress: str | None = "lz4hc",
 ) -> tuple[list[str], list[Path]]:
     """Per repository: an image base + its layer (built with ``compress``, as
     ``corral image build dir`` does), and its tar.gz; all evicted from cache."""
@@ -181,7 +181,7 @@ async def workspace(
     concurrency: int,
     readahead_kib: int | None = None,
     *,
-    layer_compress: str = "lz4",
+    layer_compress: str = "lz4hc",
     delay_ms: float = 0.0,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image

@@ -99,20 +99,29 @@ def _make_parents(root: Path, parts: tuple[str, ...]) -> Path:
     return d
 
 
+def _dir_compress(store: LayerStore) -> str | None:
+    """lz4hc for workspaces unless the store's owner turned compression off."""
+    return None if store.compress is None else "lz4hc"
+
+
 def build_dir(
     store: LayerStore, path: Path, *, dest: str = "/", progress: Progress | None = None
 ) -> LayerInfo:
     """A layer of the tree at ``path``, as it is on disk (owners, modes, xattrs...), placed
     at ``dest`` in the image: ``/`` for a root filesystem, e.g. ``/work`` for a repository
     stacked on a base image as its workspace (without one the repository's files would
-    land next to /etc and /proc)."""
+    land next to /etc and /proc). Compressed with lz4hc in 64 KiB clusters: a workspace
+    is built once and read, from a shared store, by every sandbox of its task, so bytes
+    on the wire count more than build time (see :data:`corral.images.erofs.LZ4HC_PCLUSTER`)."""
     path = Path(path)
     if not path.is_dir():
         raise InvalidRequest(f"{path} is not a directory")
     parts = _dest_parts(dest)
     source = str(path.resolve())
     if not parts:
-        return store.add_dir(path, kind="dir", source=source, progress=progress)
+        return store.add_dir(
+            path, kind="dir", source=source, progress=progress, compress=_dir_compress(store)
+        )
     tmp = _scratch_dir("corral-dir-")
     try:
         root = tmp / "rootfs"
@@ -128,7 +137,12 @@ def build_dir(
             )
         os.utime(target.parent, (0, 0), follow_symlinks=False)
         return store.add_dir(
-            root, kind="dir", source=source, meta={"dest": dest}, progress=progress
+            root,
+            kind="dir",
+            source=source,
+            meta={"dest": dest},
+            progress=progress,
+            compress=_dir_compress(store),
         )
     finally:
         _rmtree_unmounted(tmp)
