@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from corral.cluster.events import CONTROL_NODE, ControlEvents
 from corral.cluster.placement import NodeReport, PlacementPolicy, Placer, place_and_create
 from corral.errors import (
     CapacityError,
@@ -65,8 +66,11 @@ from corral.spec import (
 
 __all__ = ["FleetClient", "CLUSTER_ID"]
 
-CLUSTER_ID = "cluster"
-"""``node_id`` of the fleet-wide :meth:`FleetClient.node_status`."""
+CLUSTER_ID = CONTROL_NODE
+"""``node_id`` of the fleet-wide :meth:`FleetClient.node_status` and of control-plane events
+(no node may take it)."""
+
+BurstHook = Callable[[SandboxSpec], Awaitable[None]]
 
 
 class _Member:
@@ -93,11 +97,11 @@ class FleetClient(NodeOps):
         status_timeout: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        events: ControlEvents | None = None,
     ) -> None:
         now = clock()
         for nid in nodes:
-            if not NODE_ID_RE.fullmatch(nid):
-                raise InvalidRequest(f"node id {nid[:40]!r} must be 1-16 of [0-9a-z]")
+            _check_node_id(nid)
         self._members = {nid: _Member(ops, now) for nid, ops in nodes.items()}
         self.placer = Placer(policy, seed=seed)
         self.lost_after = lost_after
@@ -105,19 +109,35 @@ class FleetClient(NodeOps):
         self._clock = clock
         self._rr = itertools.count()
         self._in_cloud: dict[str, tuple[float, bool]] = {}  # image -> (checked at, present)
+        self.log = events
+        """The control plane's event log, when this fleet is the control plane's: node loss
+        and return and burst on/off are recorded there, and :meth:`events` merges it in."""
+        self._was_bursting = False
+        self.cloud_store: str | None = None
+        """The store directory the cloud pool reads. With no cloud node up, an image counts
+        as present there when an on-prem node with that same store has it."""
+        self.on_burst: BurstHook | None = None
+        """Called (and awaited) when a create may burst and the cloud pool has no room:
+        the control plane asks the autoscaler for a cloud node and waits for it here."""
 
     # ------------------------------------------------------------------ membership
     def add_node(self, node_id: str, ops: NodeOps) -> NodeOps | None:
         """A node joined, or came back under a new address: returns the NodeOps it
         replaces (the caller closes it), None for a new node."""
-        if not NODE_ID_RE.fullmatch(node_id):
-            raise InvalidRequest(f"node id {node_id[:40]!r} must be 1-16 of [0-9a-z]")
+        _check_node_id(node_id)
         old = self._members.get(node_id)
         m = self._members[node_id] = _Member(ops, self._clock())
         if old is None:
             return None
         m.known, m.draining = old.known, old.draining  # what it ran, and the operator's word
         return old.ops
+
+    def remove_node(self, node_id: str) -> NodeOps | None:
+        """A node left for good (a released cloud node): forget it, so that it is never
+        reported lost; returns its NodeOps (the caller closes it), None if unknown."""
+        m = self._members.pop(node_id, None)
+        self.placer.forget(node_id)
+        return None if m is None else m.ops
 
     def drain(self, node_id: str, on: bool = True) -> None:
         """Place nothing more on the node (its sandboxes keep running)."""
@@ -142,6 +162,7 @@ class FleetClient(NodeOps):
             m = self._members.get(nid)
             if m is None:
                 continue
+            was_lost = m.lost
             if isinstance(st, NodeStatus) and st.node_id == nid:
                 m.seen, m.status, m.lost = now, st, False
                 out[nid] = st
@@ -151,7 +172,22 @@ class FleetClient(NodeOps):
                 if now - m.seen >= self.lost_after:
                     m.lost = True
             self._report(nid)
+            if self.log is not None and m.lost != was_lost:
+                if m.lost:
+                    self.log.add("node_lost", node=nid, silent_s=round(now - m.seen, 1))
+                else:
+                    self.log.add("node_back", node=nid)
+        self._note_burst()
         return out
+
+    def _note_burst(self) -> None:
+        """Record on-prem fill crossing the burst threshold, either way."""
+        on = self.placer.bursting()
+        if self.log is not None and on != self._was_bursting:
+            self.log.add(
+                "burst", state="on" if on else "off", fill=round(self.placer.onprem_fill(), 3)
+            )
+        self._was_bursting = on
 
     async def _status_of(self, nid: str) -> NodeStatus:
         return await asyncio.wait_for(
@@ -237,7 +273,15 @@ class FleetClient(NodeOps):
                     raise CapacityError(f"node {nid} is unreachable: {exc.message}") from exc
                 raise
 
+        self._note_burst()
         may_burst = self.placer.bursting() and await self._in_cloud_store(spec.image)
+        if (
+            may_burst
+            and self.on_burst is not None
+            and spec.backend in (None, "container")
+            and not self.placer.cloud_room(spec)
+        ):
+            await self.on_burst(spec)
         info = await place_and_create(self.placer, spec, create, self._clock, may_burst=may_burst)
         return self._remember([info])[0]
 
@@ -255,6 +299,13 @@ class FleetClient(NodeOps):
             for _, m in self._live()
             if m.status is not None and m.status.labels.get(pol.pool_label) == pol.cloud_pool
         ]
+        if not cloud and self.cloud_store:
+            # no cloud node up yet: an on-prem node reading the same store answers for it
+            cloud = [
+                m
+                for _, m in self._live()
+                if m.status is not None and m.status.store == self.cloud_store
+            ]
         present = False
         if cloud:
             try:
@@ -480,9 +531,11 @@ class FleetClient(NodeOps):
         if sandbox_id is not None:
             return await self._route(sandbox_id).events(sandbox_id, after, labels, kinds, limit)
         cursor = after or None
-        pages = self._merge_per_node(
-            await self._fan(lambda o: o.events(None, cursor, labels, kinds, limit))
+        got = await asyncio.gather(
+            self._fan(lambda o: o.events(None, cursor, labels, kinds, limit)),
+            self._control_events(positions.get(CLUSTER_ID, 0), kinds, labels, limit),
         )
+        pages = [*self._merge_per_node(got[0]), got[1]]
         # k-way merge by time keeps each node's own order; then re-stamp every cursor with
         # the fleet's positions as of that event, so any cursor resumes the whole fleet
         merged = heapq.merge(*pages, key=lambda e: e.time)
@@ -492,6 +545,15 @@ class FleetClient(NodeOps):
             pos[e.node_id] = e.id
             out.append(e.model_copy(update={"cursor": encode_cursor(pos)}))
         return out
+
+    async def _control_events(
+        self, position: int, kinds: list[str] | None, labels: dict[str, str] | None, limit: int
+    ) -> list[Event]:
+        """The control plane's events after ``position`` (none without a log); the cluster
+        client asks the control-plane actor instead."""
+        if self.log is None:
+            return []
+        return self.log.after(position, kinds=kinds, labels=labels, limit=limit)
 
     @staticmethod
     def _merge_per_node(got: list[tuple[str, object]]) -> list[list[Event]]:
@@ -574,6 +636,14 @@ class FleetClient(NodeOps):
     async def close(self) -> None:
         await asyncio.gather(
             *(m.ops.close() for m in self._members.values()), return_exceptions=True
+        )
+
+
+def _check_node_id(nid: str) -> None:
+    if not NODE_ID_RE.fullmatch(nid) or nid == CLUSTER_ID:
+        raise InvalidRequest(
+            f"node id {nid[:40]!r} must be 1-16 of [0-9a-z] and not {CLUSTER_ID!r} "
+            "(the control plane's own name in events)"
         )
 
 

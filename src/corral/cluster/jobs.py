@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from corral.cluster.events import ControlEvents
 from corral.errors import (
     CapacityError,
     Conflict,
@@ -203,12 +204,14 @@ class JobManager:
         free_slots: Callable[[SandboxSpec], int] | None = None,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        events: ControlEvents | None = None,
     ) -> None:
         self._ops = ops
         self._free_slots = free_slots
         self._clock, self._sleep = clock, sleep
         self._jobs: dict[str, Job] = {}
-        self._events: list[Event] = []
+        self.log = events or ControlEvents()
+        """Where job events go (the control plane shares it with the fleet's events)."""
 
     # ------------------------------------------------------------------ jobs
     async def open(self, name: str, limits: JobLimits | None = None) -> Job:
@@ -431,17 +434,10 @@ class JobManager:
 
     # ------------------------------------------------------------------ events
     def events(self, after: int = 0) -> list[Event]:
-        """Control-plane events (``lease_expired``, ``orphans``, ``job_attached``) after id
-        ``after``; each names its job in ``detail["job"]``."""
-        return [e for e in self._events if e.id > after]
+        """Control-plane events after id ``after``: the job ones (``lease_expired``,
+        ``orphans``, ``job_attached``, ``job_rebuilt``) name their job in
+        ``detail["job"]``; the log may also hold node and autoscale events."""
+        return self.log.after(after)
 
     def _event(self, job: Job, kind: str, **detail: int) -> None:
-        self._events.append(
-            Event(
-                id=len(self._events) + 1,
-                sandbox_id=None,
-                time=time.time(),
-                kind=kind,
-                detail={"job": job.name, **detail},
-            )
-        )
+        self.log.add(kind, job=job.name, **detail)

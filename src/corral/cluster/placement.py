@@ -226,6 +226,14 @@ class Placer:
     def _is_onprem(self, v: _NodeView) -> bool:
         return v.report.labels.get(self.policy.pool_label) != self.policy.cloud_pool
 
+    def cloud_room(self, spec: SandboxSpec) -> bool:
+        """Whether some live cloud node that fits ``spec`` can still take one (as far as this
+        placer knows): when not, a burst create waits for the autoscaler."""
+        return any(
+            not v.full and v.expected() < v.capacity(self.policy) and self._room(v)
+            for v in self._candidates(spec, cloud=True)
+        )
+
     def free_slots(self, spec: SandboxSpec | None = None) -> int:
         """Sandboxes the eligible nodes can still take, as far as this placer knows."""
         spec = spec or SandboxSpec(image="-")

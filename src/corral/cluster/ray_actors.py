@@ -28,6 +28,8 @@ import logging
 import secrets
 from typing import Any
 
+from corral.cluster.autoscale import CLOUD_AGENT_PREFIX, CloudPool, CloudScaler
+from corral.cluster.events import ControlEvents
 from corral.cluster.fleet import FleetClient
 from corral.cluster.jobs import JobLimits, JobManager
 from corral.errors import CorralError
@@ -52,6 +54,9 @@ REQUEST_LABEL = "corral.request"
 first try made instead of making it again."""
 AGENT_PREFIX = "corral-node-"
 CONTROL_NAME = "corral-control"
+POOL_KEY = b"corral/cloud-pool"
+"""Ray internal-KV key of the cloud pool's config: the cluster's state, so a restarted
+control plane scales the same pool."""
 
 
 def node_resource(host: str) -> str:
@@ -104,6 +109,14 @@ class NodeAgent:
             "token": self._token,
         }
 
+    async def release(self) -> bool:
+        """Close this node if it holds no sandbox (a cloud node being given back); False,
+        and nothing done, when it holds one."""
+        if self._node is not None and await self._node.sandbox_list():
+            return False
+        await self.stop()
+        return True
+
     async def stop(self, destroy: bool = False) -> int:
         """Stop serving and close the node; ``destroy`` first destroys every sandbox
         (returns how many). Without it sandboxes keep running for the next agent."""
@@ -129,13 +142,42 @@ class ControlPlane:
 
     def __init__(self, interval: float = 1.0, lost_after: float = 5.0) -> None:
         self._interval = interval
-        self._fleet = FleetClient({}, lost_after=lost_after, status_timeout=min(2.0, lost_after))
-        self._jobs = JobManager(self._fleet, free_slots=self._fleet.placer.free_slots)
+        self._log = ControlEvents()
+        self._fleet = FleetClient(
+            {}, lost_after=lost_after, status_timeout=min(2.0, lost_after), events=self._log
+        )
+        self._jobs = JobManager(
+            self._fleet, free_slots=self._fleet.placer.free_slots, events=self._log
+        )
         self._agents: dict[str, dict[str, str]] = {}
         self._loop: asyncio.Task[None] | None = None
+        self._scaler: CloudScaler | None = None
+
+    def configure_pool(self, pool: str) -> None:
+        """Scale the cloud pool ``pool`` (a :class:`CloudPool` as JSON) through Ray's
+        autoscaler from now on; kept in Ray's internal KV for a restarted control plane."""
+        from ray.experimental import internal_kv
+
+        cfg = CloudPool.from_json(pool)
+        internal_kv._internal_kv_put(POOL_KEY, cfg.to_json().encode(), overwrite=True)
+        self._use_pool(cfg)
+
+    def _use_pool(self, cfg: CloudPool) -> None:
+        if self._scaler is None:
+            self._scaler = CloudScaler(self._fleet, cfg, _RayScale(cfg), self._log, self._poke)
+            self._scaler.adopt([n for n in self._agents if n.startswith(CLOUD_AGENT_PREFIX)])
+
+    async def _poke(self) -> None:
+        await self.discover()
+        await self._fleet.refresh()
 
     async def start(self) -> None:
         if self._loop is None:
+            from ray.experimental import internal_kv
+
+            raw = internal_kv._internal_kv_get(POOL_KEY)
+            if raw:
+                self._use_pool(CloudPool.from_json(raw.decode()))
             await self.discover()
             await self._fleet.refresh()
             await self._jobs.rebuild()  # after a restart: the jobs the nodes still hold
@@ -150,6 +192,8 @@ class ControlPlane:
                     await self.discover()
                 await self._fleet.refresh()
                 await self._jobs.tick()
+                if self._scaler is not None:
+                    await self._scaler.tick()
             except Exception:  # the loop must outlive one bad round
                 log.exception("control plane round failed")
             rounds += 1
@@ -165,6 +209,8 @@ class ControlPlane:
             name = entry.get("name", "") if isinstance(entry, dict) else str(entry)
             if entry.get("namespace") != NAMESPACE or not name.startswith(AGENT_PREFIX):
                 continue
+            if self._scaler is not None and self._scaler.released(name):
+                continue
             try:
                 actor = ray.get_actor(name, namespace=NAMESPACE)
                 info: dict[str, str] = await asyncio.wait_for(actor.info.remote(), timeout=2)
@@ -173,11 +219,17 @@ class ControlPlane:
             if not info or self._agents.get(name) == info:
                 continue
             self._agents[name] = info
+            if self._scaler is not None and name.startswith(CLOUD_AGENT_PREFIX):
+                self._scaler.adopt([name])  # no-op for its own launches
+                self._scaler.seen(name, info["node_id"])
             old = self._fleet.add_node(
                 info["node_id"], HTTPOps(info["address"], token=info["token"])
             )
             if old is not None:
                 await old.close()
+        if self._scaler is not None:
+            for name in [n for n in self._agents if self._scaler.released(n)]:
+                del self._agents[name]
         return list(self._agents.values())
 
     def nodes(self) -> list[dict[str, str]]:
@@ -279,8 +331,20 @@ class ControlPlane:
 
         return await self._call(go())
 
-    def events(self, after: int = 0) -> str:
-        return json.dumps([e.model_dump(mode="json") for e in self._jobs.events(after)])
+    def events(
+        self,
+        after: int = 0,
+        kinds: list[str] | None = None,
+        labels: dict[str, str] | None = None,
+        limit: int = 10_000,
+    ) -> str:
+        """Control-plane events after id ``after`` (see :mod:`corral.cluster.events`)."""
+        got = self._log.after(after, kinds=kinds, labels=labels, limit=limit)
+        return json.dumps([e.model_dump(mode="json") for e in got])
+
+    def cloud_nodes(self) -> dict[str, str | None]:
+        """Cloud agents the scaler launched: name -> node id (None while starting)."""
+        return self._scaler.nodes() if self._scaler is not None else {}
 
     @staticmethod
     async def _call(coro: Any) -> str:
@@ -293,6 +357,45 @@ class ControlPlane:
         if self._loop is not None:
             self._loop.cancel()
         await self._fleet.close()
+
+
+class _RayScale:
+    """:class:`~corral.cluster.autoscale.ScaleOps` on Ray (see there)."""
+
+    def __init__(self, pool: CloudPool) -> None:
+        self._pool = pool
+
+    def request(self, nodes: int) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[{self._pool.resource: 1}] * nodes)
+
+    def launch(self, name: str) -> None:
+        # detached: a cloud agent outlives a restart of the control plane that started it
+        # (the new one adopts it by name); one unit of the pool resource: one per node
+        agent = (
+            agent_actor()
+            .options(
+                name=name,
+                namespace=NAMESPACE,
+                resources={self._pool.resource: 1},
+                lifetime="detached",
+            )
+            .remote(self._pool.node_config)
+        )
+        agent.start.remote()  # runs once Ray has placed the actor on the new node
+
+    async def release(self, name: str, up: bool) -> bool:
+        import ray
+
+        try:
+            agent = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True  # already gone
+        ok = await agent.release.remote() if up else True
+        if ok:
+            ray.kill(agent, no_restart=True)
+        return bool(ok)
 
 
 def agent_actor() -> Any:

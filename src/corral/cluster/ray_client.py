@@ -102,12 +102,21 @@ class RayOps(FleetClient):
         from corral.sdk._http import HTTPOps
 
         await self.call("start")
-        for info in await self.call("discover"):
+        infos = await self.call("discover")
+        for info in infos:
             if self._addresses.get(info["node_id"]) != info["address"]:
                 self._addresses[info["node_id"]] = info["address"]
                 old = self.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
                 if old is not None:
                     await old.close()
+        # a node the control plane no longer lists was released (an idle cloud node): it
+        # left for good, so it must not be reported lost (a dead agent stays listed)
+        listed = {i["node_id"] for i in infos}
+        for nid in [n for n in self._addresses if n not in listed]:
+            del self._addresses[nid]
+            gone = self.remove_node(nid)
+            if gone is not None:
+                await gone.close()
 
     async def _run(self) -> None:
         rounds = 0
@@ -150,7 +159,21 @@ class RayOps(FleetClient):
         info = SandboxInfo.model_validate_json(
             _checked(await self.call("sandbox_create", _keyed(spec).model_dump_json()))
         )
-        return self._remember([info])[0]
+        return (await self.learn([info]))[0]
+
+    async def learn(self, infos: list[SandboxInfo]) -> list[SandboxInfo]:
+        """Remember sandboxes the control plane made; one on a node this client does not
+        know yet (a cloud node the autoscaler just added) makes it look for nodes now."""
+        known = set(self.node_ids())
+        if any(i.node_id not in known for i in infos):
+            await self.sync_nodes()
+        return self._remember(infos)
+
+    async def _control_events(
+        self, position: int, kinds: list[str] | None, labels: dict[str, str] | None, limit: int
+    ) -> list[Event]:
+        raw = await self.call("events", position, kinds, labels, limit)
+        return [Event.model_validate(e) for e in json.loads(raw)]
 
     async def close(self) -> None:
         if self._loop is not None:
@@ -207,7 +230,9 @@ class RemoteJobs:
         return RemoteJob(self._ops, name, None, attach=True)
 
     async def events(self, after: int = 0) -> list[Event]:
-        """Control-plane events: ``lease_expired``, ``orphans``, ``job_attached``."""
+        """Control-plane events after id ``after`` only (``lease_expired``, ``orphans``,
+        ``job_attached``, node and autoscale events); ``client.events()`` merges them
+        with every node's events under one cursor."""
         raw = await self._ops.call("events", after)
         return [Event.model_validate(e) for e in json.loads(raw)]
 
@@ -273,7 +298,7 @@ class RemoteJob:
         got = _unwire(
             await self._ops.call("job_create", self.name, n, _keyed(spec).model_dump_json())
         )
-        infos = self._ops._remember([SandboxInfo.model_validate(i) for i in got])
+        infos = await self._ops.learn([SandboxInfo.model_validate(i) for i in got])
         return [Sandbox._wrap(self._ops, i) for i in infos]
 
     async def pause(self) -> list[SandboxInfo]:
