@@ -244,9 +244,11 @@ class RemoteJob:
     """One job of the control plane; see :meth:`RemoteJobs.open`."""
 
     def __init__(self, ops: RayOps, name: str, limits: JobLimits | None, *, attach: bool) -> None:
-        self._ops, self.name, self._limits, self._attach = ops, name, limits, attach
+        self._ops, self._limits, self._attach = ops, limits, attach
+        self.name: str = name
+        """The job's name."""
         self._renew: asyncio.Task[None] | None = None
-        self.close_on_exit = not attach
+        self.close_on_exit: bool = not attach
         """Destroy the job's sandboxes when the ``async with`` block ends cleanly."""
 
     async def __aenter__(self) -> RemoteJob:
