@@ -32,6 +32,7 @@ from corral.spec import (
 )
 
 if TYPE_CHECKING:
+    from corral.cluster.ray_client import RemoteJobs
     from corral.node import NodeConfig
 
 __all__ = ["AsyncClient", "Images", "Sandboxes"]
@@ -91,11 +92,10 @@ class AsyncClient:
         return f"AsyncClient({self._where!r})"
 
     @property
-    def jobs(self) -> Any:
-        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered:
-        a ``corral.cluster.ray_client.RemoteJobs``. Async only for now: the blocking
-        ``Client`` hands out the same async object."""
-        jobs = getattr(self._ops, "jobs", None)
+    def jobs(self) -> RemoteJobs:
+        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered
+        (``open``, ``attach``, ``events``, ``state``)."""
+        jobs: RemoteJobs | None = getattr(self._ops, "jobs", None)
         if jobs is None:
             raise InvalidRequest(
                 f"jobs need a cluster: open the client on ray://auto (this one is {self._where})"

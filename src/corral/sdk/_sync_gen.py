@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from types import TracebackType
     from typing import Any
 
+    from corral.cluster.ray_client import RemoteJob, RemoteJobs
     from corral.node import NodeConfig
     from corral.ops import NodeOps, PtyStream
     from corral.sdk._client import Images, Sandboxes
@@ -55,7 +56,9 @@ __all__ = [
     "BlockingImages",
     "BlockingSandboxes",
     "BlockingFnCall",
+    "BlockingRemoteJobs",
     "BlockingSandbox",
+    "BlockingRemoteJob",
     "BlockingFiles",
     "BlockingNetwork",
     "BlockingExecStream",
@@ -120,12 +123,12 @@ class Client(_Handle):
         return BlockingFnCall(value, self._portal)
 
     @property
-    def jobs(self) -> Any:
-        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered:
-        a ``corral.cluster.ray_client.RemoteJobs``. Async only for now: the blocking
-        ``Client`` hands out the same async object.
+    def jobs(self) -> BlockingRemoteJobs:
+        """Jobs (quotas, groups, leases) of a cluster target (``ray://``), once entered
+        (``open``, ``attach``, ``events``, ``state``).
         """
-        return self._obj.jobs
+        value = self._obj.jobs
+        return BlockingRemoteJobs(value, self._portal)
 
     def events(
         self,
@@ -393,6 +396,56 @@ class BlockingFnCall(_Handle):
         )
 
 
+class BlockingRemoteJobs(_Handle):
+    """Blocking ``corral.cluster.ray_client.RemoteJobs``: the same API, no ``await``.
+
+    ``client.jobs``: jobs held by the control plane.
+    """
+
+    __slots__ = ()
+    _obj: RemoteJobs
+
+    def open(
+        self,
+        name: str,
+        *,
+        max_sandboxes: int = 1024,
+        max_creates_per_s: float = 100.0,
+        burst: int = 0,
+        lease_ttl: float = 30.0,
+        grace: float = 300.0,
+    ) -> BlockingRemoteJob:
+        """A job, used as ``with``: opened on entry, its lease renewed while inside,
+        and on a clean exit closed (its sandboxes destroyed). If this process dies inside,
+        the lease lapses: the job's sandboxes are paused, then destroyed after ``grace``
+        unless :meth:`attach` takes the job back.
+        """
+        value = self._obj.open(
+            name,
+            max_sandboxes=max_sandboxes,
+            max_creates_per_s=max_creates_per_s,
+            burst=burst,
+            lease_ttl=lease_ttl,
+            grace=grace,
+        )
+        return BlockingRemoteJob(value, self._portal)
+
+    def attach(self, name: str) -> BlockingRemoteJob:
+        """Take back a job whose client died (resumes its sandboxes if paused)."""
+        value = self._obj.attach(name)
+        return BlockingRemoteJob(value, self._portal)
+
+    def events(self, after: int = 0) -> list[Event]:
+        """Control-plane events after id ``after`` only (``lease_expired``, ``orphans``,
+        ``job_attached``, node and autoscale events); ``client.events()`` merges them
+        with every node's events under one cursor.
+        """
+        return self._portal.call(self._obj.events(after))
+
+    def state(self, name: str) -> dict[str, Any]:
+        return self._portal.call(self._obj.state(name))
+
+
 class BlockingSandbox(_Handle):
     """Blocking ``corral.sdk._sandbox.Sandbox``: the same API, no ``await``.
 
@@ -621,6 +674,53 @@ class BlockingSandbox(_Handle):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._portal.call(self._obj.__aexit__(et, ev, tb))
+
+
+class BlockingRemoteJob(_Handle):
+    """Blocking ``corral.cluster.ray_client.RemoteJob``: the same API, no ``await``.
+
+    One job of the control plane; see :meth:`RemoteJobs.open`.
+    """
+
+    __slots__ = ()
+    _obj: RemoteJob
+
+    @property
+    def name(self) -> str:
+        """The job's name."""
+        return self._obj.name
+
+    @property
+    def close_on_exit(self) -> bool:
+        """Destroy the job's sandboxes when the ``with`` block ends cleanly."""
+        return self._obj.close_on_exit
+
+    def __enter__(self) -> BlockingRemoteJob:
+        value = self._portal.call(self._obj.__aenter__())
+        return self if value is self._obj else BlockingRemoteJob(value, self._portal)
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._portal.call(self._obj.__aexit__(et, ev, tb))
+
+    def create(self, image: str, **fields: Any) -> BlockingSandbox:
+        value = self._portal.call(self._obj.create(image, **fields))
+        return BlockingSandbox(value, self._portal)
+
+    def create_group(self, n: int, image: str, **fields: Any) -> list[BlockingSandbox]:
+        """n sandboxes of ``SandboxSpec(image=image, **fields)``, all or none."""
+        value = self._portal.call(self._obj.create_group(n, image, **fields))
+        return [BlockingSandbox(v0, self._portal) for v0 in value]
+
+    def pause(self) -> list[SandboxInfo]:
+        return self._portal.call(self._obj.pause())
+
+    def resume(self) -> list[SandboxInfo]:
+        return self._portal.call(self._obj.resume())
+
+    def sandboxes(self) -> list[SandboxInfo]:
+        return self._portal.call(self._obj.sandboxes())
 
 
 class BlockingFiles(_Handle):
