@@ -33,6 +33,7 @@ __all__ = [
     "PathRefused",
     "NotFound",
     "SandboxNotFound",
+    "JobNotFound",
     "ImageNotFound",
     "LayerNotFound",
     "ProcessNotFound",
@@ -80,6 +81,10 @@ class NotFound(CorralError):
 
 class SandboxNotFound(NotFound):
     pass
+
+
+class JobNotFound(NotFound):
+    """No job of that name in the cluster's control plane."""
 
 
 class ImageNotFound(NotFound):
@@ -172,6 +177,7 @@ KINDS: dict[str, type[CorralError]] = {
         PathRefused,
         NotFound,
         SandboxNotFound,
+        JobNotFound,
         ImageNotFound,
         LayerNotFound,
         ProcessNotFound,

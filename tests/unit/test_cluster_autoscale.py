@@ -83,9 +83,7 @@ async def _setup(
     onprem = Shared("p0", max_sandboxes=5, labels={"pool": "onprem"})
     fleet = FleetClient({"p0": onprem}, seed=3, events=log, clock=clock)
     ops = FakeScale(fleet, comes_up=comes_up)
-    scaler = CloudScaler(
-        fleet, _pool(**kw), ops, log, ops.poke, clock=clock, sleep=clock.sleep
-    )
+    scaler = CloudScaler(fleet, _pool(**kw), ops, log, ops.poke, clock=clock, sleep=clock.sleep)
     ops.scaler = scaler
     await fleet.refresh()
     return fleet, scaler, ops, log, clock
@@ -170,9 +168,10 @@ async def test_fleet_events_merge_control_plane_events_under_one_cursor() -> Non
     log.add("lease_expired", job="j1", count=1)
     log.add("autoscale", action="request")
     page = await fleet.events(limit=1000)
-    assert {e.node_id for e in page} == {"n0", "n1", "cluster"} or {
-        e.node_id for e in page
-    } >= {"cluster", a.node_id}
+    assert {e.node_id for e in page} == {"n0", "n1", "cluster"} or {e.node_id for e in page} >= {
+        "cluster",
+        a.node_id,
+    }
     ctl = [e for e in page if e.node_id == "cluster"]
     assert [e.kind for e in ctl] == ["lease_expired", "autoscale"]
     # the cursor after everything resumes with nothing repeated, then picks up new ones

@@ -41,6 +41,7 @@ PUBLIC = {
     "PathRefused",
     "NotFound",
     "SandboxNotFound",
+    "JobNotFound",
     "ImageNotFound",
     "LayerNotFound",
     "ProcessNotFound",

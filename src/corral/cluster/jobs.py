@@ -45,8 +45,8 @@ from corral.errors import (
     Conflict,
     CorralError,
     InvalidRequest,
+    JobNotFound,
     JobQuotaExceeded,
-    NotFound,
     SandboxNotFound,
 )
 from corral.ops import NodeOps
@@ -71,10 +71,6 @@ _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
-
-
-class JobNotFound(NotFound):
-    """No job of that name in this control plane."""
 
 
 @dataclass(frozen=True, slots=True)

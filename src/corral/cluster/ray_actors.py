@@ -32,7 +32,7 @@ from corral.cluster.autoscale import CLOUD_AGENT_PREFIX, CloudPool, CloudScaler
 from corral.cluster.events import ControlEvents
 from corral.cluster.fleet import FleetClient
 from corral.cluster.jobs import JobLimits, JobManager
-from corral.errors import CorralError
+from corral.errors import CorralError, InvalidRequest
 from corral.spec import SandboxInfo, SandboxSpec
 
 __all__ = [
@@ -66,6 +66,22 @@ def node_resource(host: str) -> str:
 
 def _wire(exc: CorralError) -> dict[str, Any]:
     return exc.to_wire()
+
+
+def _limits(text: str) -> JobLimits:
+    """A job's limits from a client's JSON; InvalidRequest naming what is wrong."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise InvalidRequest("job limits: not JSON") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("job limits: expected an object of limits")
+    known = set(JobLimits.__dataclass_fields__)
+    if set(raw) - known:
+        raise InvalidRequest(
+            f"job limits: unknown {sorted(set(raw) - known)} (known: {sorted(known)})"
+        )
+    return JobLimits(**raw)
 
 
 class NodeAgent:
@@ -269,7 +285,11 @@ class ControlPlane:
 
     # ----------------------------------------------------------------- jobs
     async def job_open(self, name: str, limits: str) -> str:
-        return await self._call(self._job_open(name, JobLimits(**json.loads(limits))))
+        try:
+            lim = _limits(limits)
+        except CorralError as exc:
+            return json.dumps(_wire(exc))
+        return await self._call(self._job_open(name, lim))
 
     async def _job_open(self, name: str, limits: JobLimits) -> dict[str, Any]:
         job = await self._jobs.open(name, limits)
