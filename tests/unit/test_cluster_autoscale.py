@@ -234,3 +234,16 @@ def test_control_event_ids_survive_a_restart_of_the_log() -> None:
 def test_no_node_may_take_the_control_plane_name() -> None:
     with pytest.raises(InvalidRequest, match="cluster"):
         FleetClient({"cluster": FakeNode("cluster")})
+
+
+def test_cloud_pool_cli_refuses_a_node_config_outside_the_cloud_pool(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from corral.cli.app import app
+
+    cfg = Path(str(tmp_path)) / "node.toml"
+    cfg.write_text('[node]\nstate_dir = "/tmp/x"\n[node.labels]\npool = "onprem"\n')
+    r = CliRunner().invoke(app, ["cluster", "cloud-pool", "--config", str(cfg)])
+    assert r.exit_code != 0 and 'pool = "cloud"' in r.output

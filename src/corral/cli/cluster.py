@@ -189,3 +189,59 @@ def drain(
 
     asyncio.run(go())
     out().print(f"node {node} {'accepts sandboxes again' if undo else 'is draining'}")
+
+
+@app.command("cloud-pool")
+def cloud_pool(
+    config: Annotated[
+        Path,
+        typer.Option("--config", help='Node config (TOML) of every cloud node; pool = "cloud".'),
+    ],
+    resource: Annotated[
+        str, typer.Option("--resource", help="Custom resource of the cloud Ray node type.")
+    ] = "corral-pool-cloud",
+    node_type: Annotated[
+        str, typer.Option("--node-type", help="The cloud Ray node type (for the record).")
+    ] = "corral.cloud",
+    max_nodes: Annotated[int, typer.Option("--max-nodes", help="At most this many.")] = 4,
+    idle_after: Annotated[
+        float, typer.Option("--idle-after", help="Seconds empty before a node is released.")
+    ] = 60.0,
+    wait: Annotated[
+        float, typer.Option("--wait", help="Seconds a burst create waits for a new node.")
+    ] = 180.0,
+    store: Annotated[
+        str | None, typer.Option("--store", help="Store dir the cloud pool reads.")
+    ] = None,
+    address: _Address = "auto",
+) -> None:
+    """Let the control plane grow the cloud pool through Ray's autoscaler when on-prem is
+    over its burst threshold, and give idle cloud nodes back (kept in the cluster's state:
+    a restarted control plane keeps doing it). The Ray cluster config must have a node type
+    carrying RESOURCE (1 per node) with min_workers 0."""
+    from corral.cluster.autoscale import CloudPool
+    from corral.node import NodeConfig
+
+    cfg = NodeConfig.from_toml(config)
+    pool = CloudPool(
+        node_config=cfg.model_dump_json(),
+        node_type=node_type,
+        resource=resource,
+        max_nodes=max_nodes,
+        idle_after=idle_after,
+        wait=wait,
+        store=store or str(cfg.store_dir),
+    )
+
+    async def go() -> None:
+        ops = await _connect(address)
+        try:
+            await ops.control.configure_pool.remote(pool.to_json())
+        finally:
+            await ops.close()
+
+    asyncio.run(go())
+    out().print(
+        f"cloud pool: up to {max_nodes} nodes of type {node_type} ({resource}), "
+        f"released after {idle_after:g} s idle"
+    )
