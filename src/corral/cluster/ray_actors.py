@@ -14,6 +14,12 @@ HTTP APIs (placement, node loss) and the :class:`~corral.cluster.JobManager` (qu
 groups, leases, which must outlive a killed trainer: that is why they live here). After a
 restart it rebuilds all of it by asking the agents and the nodes.
 
+The agent's token travels to clients in its actor info, over Ray's channel, and the node
+API is plain HTTP: both are in clear on the wire. That is deliberate, not forgotten: who
+can reach Ray can already run code on every host, so the Ray network must be trusted
+anyway; on an untrusted one, turn on Ray's TLS and tunnel the node API (see the design
+notes, "Agent tokens and the wire").
+
 Nothing here is imported unless a cluster is used: ``ray`` is the optional extra
 ``corral[cluster]``. Methods take and return JSON strings of :mod:`corral.spec` models, and
 errors travel as corral's wire errors (rebuilt by ``error_from_wire`` from its closed table)
