@@ -116,7 +116,9 @@ async def test_burst_grows_the_cloud_pool_and_idle_shrinks_it(
 
         # c0 is 80% full: this create may burst, the cloud pool is empty, so the control
         # plane has the autoscaler add a cloud node and places the create there
+        t0 = time.monotonic()
         sb = await client.sandboxes.create(image=IMAGE, qos="latency")
+        print(f"burst create on a new cloud node took {time.monotonic() - t0:.1f} s")
         assert sb.info.node_id != c0
         assert len(autoscaling.cloud_ray_nodes()) == 1
         r = await sb.exec(["sh", "-c", "echo from the cloud $((6*7))"])
@@ -130,7 +132,9 @@ async def test_burst_grows_the_cloud_pool_and_idle_shrinks_it(
         async def released() -> bool:
             return not autoscaling.cloud_ray_nodes()
 
+        t0 = time.monotonic()
         await _until("the idle cloud node removed by the autoscaler", released)
+        print(f"idle cloud node gone {time.monotonic() - t0:.1f} s after the last destroy")
 
         evs = await client.events(kinds=["autoscale", "burst"])
         acts = [(e.kind, e.detail.get("action") or e.detail.get("state")) for e in evs]
