@@ -247,3 +247,15 @@ def test_cloud_pool_cli_refuses_a_node_config_outside_the_cloud_pool(tmp_path: o
     cfg.write_text('[node]\nstate_dir = "/tmp/x"\n[node.labels]\npool = "onprem"\n')
     r = CliRunner().invoke(app, ["cluster", "cloud-pool", "--config", str(cfg)])
     assert r.exit_code != 0 and 'pool = "cloud"' in r.output
+
+
+async def test_a_burst_larger_than_one_cloud_node_launches_another() -> None:
+    import asyncio
+
+    fleet, scaler, ops, log, clock = await _setup(max_nodes=3)
+    for _ in range(4):
+        await fleet.sandbox_create(SPEC)
+    # 5 burst creates at once, cloud nodes of 3: two cloud nodes, all placed in the cloud
+    got = await asyncio.gather(*(fleet.sandbox_create(SPEC) for _ in range(5)))
+    assert {i.node_id for i in got} <= {"cl0", "cl1"} and len(ops.launched) == 2
+    assert ops.requests[-1] == 2

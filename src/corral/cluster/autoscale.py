@@ -167,17 +167,19 @@ class CloudScaler:
         one is on its way, and wait (at most ``pool.wait``) until there is room for it."""
         self._waiters += 1
         try:
-            if None not in self._agents.values():
-                if len(self._agents) >= self.pool.max_nodes:
-                    return  # at the pool's size: on-prem if room, else CapacityError
-                self._launch()
             deadline = self._clock() + self.pool.wait
-            while self._clock() < deadline:
+            while not self.fleet.placer.cloud_room(spec):
+                # launch when nothing is on its way: at first, and again when the node that
+                # came filled up before this create got a place on it
+                if None not in self._agents.values():
+                    if len(self._agents) >= self.pool.max_nodes:
+                        return  # at the pool's size: on-prem if room, else CapacityError
+                    self._launch()
+                if self._clock() >= deadline:
+                    self.log.add("autoscale", action="timeout", waited_s=self.pool.wait)
+                    return
                 await self._sleep(0.25)
                 await self._poke()
-                if self.fleet.placer.cloud_room(spec):
-                    return
-            self.log.add("autoscale", action="timeout", waited_s=self.pool.wait)
         finally:
             self._waiters -= 1
 
