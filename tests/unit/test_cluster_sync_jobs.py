@@ -136,3 +136,21 @@ def test_control_plane_answers_garbage_limits_with_a_clear_error() -> None:
             job.create("demo/base")
     finally:
         client.close()
+
+
+def test_garbage_agent_info_is_skipped_not_added() -> None:
+    from corral.cluster.ray_actors import _agent_info_ok
+
+    good = {"node_id": "abc123", "address": "http://10.0.0.1:4000", "token": "t"}
+    assert _agent_info_ok(good)
+    for bad in (
+        None,
+        "nope",
+        [],
+        {},
+        {**good, "node_id": "Not An Id"},
+        {**good, "node_id": "cluster"},
+        {**good, "address": "file:///etc/passwd"},
+        {**good, "token": 5},
+    ):
+        assert not _agent_info_ok(bad), bad

@@ -36,7 +36,7 @@ from typing import Any
 
 from corral.cluster.autoscale import CLOUD_AGENT_PREFIX, CloudPool, CloudScaler
 from corral.cluster.events import ControlEvents
-from corral.cluster.fleet import FleetClient
+from corral.cluster.fleet import CLUSTER_ID, FleetClient
 from corral.cluster.jobs import JobLimits, JobManager
 from corral.errors import CorralError, InvalidRequest
 from corral.spec import SandboxInfo, SandboxSpec
@@ -72,6 +72,20 @@ def node_resource(host: str) -> str:
 
 def _wire(exc: CorralError) -> dict[str, Any]:
     return exc.to_wire()
+
+
+def _agent_info_ok(info: object) -> bool:
+    """Whether an agent's info is what :meth:`NodeAgent.info` returns (a garbage answer must
+    not stop discovery of the other agents, nor add a node under a bad id)."""
+    from corral.spec import NODE_ID_RE
+
+    return (
+        isinstance(info, dict)
+        and all(isinstance(info.get(k), str) for k in ("node_id", "address", "token"))
+        and bool(NODE_ID_RE.fullmatch(info["node_id"]))
+        and info["node_id"] != CLUSTER_ID
+        and info["address"].startswith(("http://", "https://"))
+    )
 
 
 def _limits(text: str) -> JobLimits:
@@ -239,6 +253,9 @@ class ControlPlane:
             except Exception:  # an agent starting or dying: next round
                 continue
             if not info or self._agents.get(name) == info:
+                continue
+            if not _agent_info_ok(info):
+                log.warning("agent %s answered garbage for its info: %.200r", name, info)
                 continue
             self._agents[name] = info
             if self._scaler is not None and name.startswith(CLOUD_AGENT_PREFIX):
