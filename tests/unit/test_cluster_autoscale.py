@@ -259,3 +259,25 @@ async def test_a_burst_larger_than_one_cloud_node_launches_another() -> None:
     got = await asyncio.gather(*(fleet.sandbox_create(SPEC) for _ in range(5)))
     assert {i.node_id for i in got} <= {"cl0", "cl1"} and len(ops.launched) == 2
     assert ops.requests[-1] == 2
+
+
+async def test_a_lost_node_back_under_a_new_address_is_a_node_back_event() -> None:
+    clock = Clock()
+    log = ControlEvents()
+    fleet = FleetClient({"a0": FakeNode("a0")}, events=log, clock=clock, lost_after=5)
+
+    class Dead(FakeNode):
+        async def node_status(self) -> NodeStatus:
+            raise ValueError("no answer")
+
+    await fleet.refresh()
+    fleet.add_node("a0", Dead("a0"))  # its agent died
+    clock.t += 6
+    await fleet.refresh()
+    fleet.add_node("a0", FakeNode("a0"))  # a new agent, a new address: lost until it answers
+    assert fleet.lost_nodes() == ["a0"]
+    await fleet.refresh()
+    assert [e.kind for e in log.after(0, kinds=["node_lost", "node_back"])] == [
+        "node_lost",
+        "node_back",
+    ]

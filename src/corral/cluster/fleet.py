@@ -130,6 +130,7 @@ class FleetClient(NodeOps):
         if old is None:
             return None
         m.known, m.draining = old.known, old.draining  # what it ran, and the operator's word
+        m.lost = old.lost  # still lost until the new address answers (then `node_back`)
         return old.ops
 
     def remove_node(self, node_id: str) -> NodeOps | None:
