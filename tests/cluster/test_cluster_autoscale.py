@@ -67,7 +67,7 @@ def _config(name: str, pool: str, subnet: str, max_sandboxes: int) -> object:
 @pytest.fixture(scope="module")
 def autoscaling() -> Iterator[LocalAutoscalingCluster]:
     from corral.cluster.autoscale import CloudPool
-    from corral.cluster.local_autoscale import LocalAutoscalingCluster
+    from corral.cluster.local_autoscale import LocalAutoscalingCluster, _marked
     from tests.integration.conftest import _ensure_images, assert_no_leaks
 
     if ray.is_initialized():
@@ -90,6 +90,7 @@ def autoscaling() -> Iterator[LocalAutoscalingCluster]:
     with lc:
         yield lc
     assert not Path(lc.tmp).exists()
+    assert not _marked(str(lc.tmp).encode()), "Ray processes of the cluster left running"
     for n in names:
         state, run, subtree = _dirs(n)
         assert_no_leaks(state, run, subtree)
