@@ -281,3 +281,13 @@ async def test_a_lost_node_back_under_a_new_address_is_a_node_back_event() -> No
         "node_lost",
         "node_back",
     ]
+
+
+async def test_reconfigured_pool_applies_to_later_launches() -> None:
+    fleet, scaler, ops, _, _ = await _setup()
+    other = FakeScale(fleet)
+    other.scaler = scaler
+    scaler.reconfigure(
+        CloudPool(node_config=_pool().node_config, store="/elsewhere", max_nodes=0), other
+    )
+    assert fleet.cloud_store == "/elsewhere" and scaler.pool.max_nodes == 0

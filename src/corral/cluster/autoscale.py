@@ -133,6 +133,11 @@ class CloudScaler:
         fleet.on_burst = self.want
         fleet.cloud_store = pool.store
 
+    def reconfigure(self, pool: CloudPool, ops: ScaleOps) -> None:
+        """A new pool config: later launches and releases follow it; nodes up stay."""
+        self.pool, self._ops = pool, ops
+        self.fleet.cloud_store = pool.store
+
     # ------------------------------------------------------------------ membership
     def adopt(self, names: list[str]) -> None:
         """Agents found running (a restarted control plane): count them as launched."""

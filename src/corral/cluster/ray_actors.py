@@ -202,6 +202,8 @@ class ControlPlane:
         if self._scaler is None:
             self._scaler = CloudScaler(self._fleet, cfg, _RayScale(cfg), self._log, self._poke)
             self._scaler.adopt([n for n in self._agents if n.startswith(CLOUD_AGENT_PREFIX)])
+        else:  # reconfigured: new launches use the new config, running nodes stay
+            self._scaler.reconfigure(cfg, _RayScale(cfg))
 
     async def _poke(self) -> None:
         await self.discover()
