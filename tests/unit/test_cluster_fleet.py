@@ -249,3 +249,34 @@ async def test_fleet_list_and_pause_survive_an_unreachable_node() -> None:
     assert len(listed) == 8 and {listed[i] for i in on_gone} == {"lost"}
     paused = await fleet.sandboxes_pause({"job": "j"})
     assert {i.id for i in paused} == {i.id for i in made} - on_gone
+
+
+async def test_a_create_before_the_first_status_asks_the_nodes_instead_of_refusing() -> None:
+    class Slow(FakeNode):
+        answers = 0
+
+        async def node_status(self) -> NodeStatus:
+            self.answers += 1
+            if self.answers == 1:
+                await asyncio.Event().wait()  # the first status round times out
+            return await super().node_status()
+
+    clock = Clock()
+    slow = Slow("s0")
+    fleet = FleetClient({"s0": slow}, clock=clock, status_timeout=0.05, lost_after=5)
+    await fleet.refresh()  # no answer yet: placed nowhere, but not lost either
+    info = await fleet.sandbox_create(SPEC)
+    assert info.node_id == "s0"
+    # a node that never answers is lost after lost_after and the create then fails clearly
+    hung = Silent("h0")
+    hung.mode = "hang"
+    fleet = FleetClient({"h0": hung}, clock=clock, status_timeout=0.05, lost_after=5)
+    asked = fleet.refresh
+
+    async def later_refresh() -> dict[str, NodeStatus | None]:
+        clock.t += 6  # each round a while later
+        return await asked()
+
+    fleet.refresh = later_refresh  # type: ignore[method-assign]
+    with pytest.raises(CapacityError, match="lost"):
+        await fleet.sandbox_create(SPEC)

@@ -283,7 +283,19 @@ class FleetClient(NodeOps):
             and not self.placer.cloud_room(spec)
         ):
             await self.on_burst(spec)
-        info = await place_and_create(self.placer, spec, create, self._clock, may_burst=may_burst)
+        while True:
+            try:
+                info = await place_and_create(
+                    self.placer, spec, create, self._clock, may_burst=may_burst
+                )
+                break
+            except CapacityError:
+                # a node that joined has not answered a status yet (a control plane just
+                # started, a loaded host): ask again rather than refuse; it answers or is
+                # marked lost after lost_after, which ends this
+                if not any(m.status is None and not m.lost for m in self._members.values()):
+                    raise
+                await self.refresh()
         return self._remember([info])[0]
 
     async def _in_cloud_store(self, image: str) -> bool:
