@@ -439,7 +439,7 @@ class ContainerBackend:
         assert isinstance(self.runtime, Launcher)
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
-        procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
+        procs, cpu_procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
         undo.append(lambda: self.cgroups.remove(sandbox_id))
         undo.append(lambda: launcher.delete(sandbox_id, force=True))
         with phases.phase("runtime_start"):
@@ -449,6 +449,7 @@ class ContainerBackend:
                 ctl_fd=lsock.fileno(),
                 owner=0 if userns is None else userns.owner,
                 cgroup_procs=procs,
+                cpu_procs=cpu_procs,
             )
         lsock.close()  # the init holds its own copy now
         return await self._after_start(sandbox_id, spec, pid, phases)

@@ -155,11 +155,15 @@ def plan(
     cgroup_procs: Sequence[Path],
     cgroup_mounts: Sequence[tuple[str, str]],
     cgroup_v2: bool,
+    cpu_procs: Sequence[Path] = (),
     bpf: bytes | None = None,
 ) -> Plan:
     """The launcher's instructions for ``config`` (see the module docstring).
 
-    ``cgroup_procs``: the sandbox's cgroup.procs files (joined before the clone).
+    ``cgroup_procs``: the sandbox's cgroup.procs files joined before the clone;
+    ``cpu_procs``: those joined once the mounts are made, just before the sandbox's cgroup
+    namespace is made (the cpu ones: the launcher's work is the node's, not done on a
+    best-effort sandbox's idle CPU; crun's work is not either).
     ``cgroup_mounts``: (name under /sys/fs/cgroup, mount options) of each v1 hierarchy the
     sandbox has a cgroup of its own in: only those are mounted in the guest (a hierarchy
     where it has none would show the node's cgroup). ``bpf``: the compiled seccomp filter
@@ -209,6 +213,8 @@ def plan(
     args += ["-m", f"{m['hostID']}:{m['size']}", "-u", str(owner)]
     for p in cgroup_procs:
         args += ["-c", str(p)]
+    for p in cpu_procs:
+        args += ["-k", str(p)]
 
     out = Plan(args=args, cgroups=list(cgroup_procs))
     seccomp = linux.get("seccomp")
@@ -220,6 +226,7 @@ def plan(
             args += ["-l", _sep(seccomp["listenerPath"], sandbox_id)]
 
     steps = [_sep("root", config["root"]["path"])]
+    cg_steps = ["cgns"]
     has_dev = False
     for mnt in config["mounts"]:
         dst, typ, src = mnt["destination"], mnt["type"], mnt.get("source", "")
@@ -229,7 +236,8 @@ def plan(
             if rro:
                 steps.append(_sep("rro", dst))
         elif typ == "cgroup":
-            steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2)
+            # After the cgroup namespace exists (see corral-launch.c, step cgns).
+            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2)
         else:
             steps.append(_sep("fs", typ, src, dst, f"{flags:x}", ",".join(data)))
         has_dev = has_dev or dst == "/dev"
@@ -243,6 +251,7 @@ def plan(
             steps.append(_sep("ln", target, link))
     steps += [_sep("mask", p) for p in linux.get("maskedPaths", [])]
     steps += [_sep("ro", p) for p in linux.get("readonlyPaths", [])]
+    steps += cg_steps
     steps.append("pivot")
     if config["root"].get("readonly"):
         steps.append("roroot")
@@ -309,11 +318,14 @@ class Launcher:
                 return r
         return None
 
-    def make_cgroup(self, sandbox_id: str, resources: dict[str, Any], latency: bool) -> list[Path]:
+    def make_cgroup(
+        self, sandbox_id: str, resources: dict[str, Any], latency: bool
+    ) -> tuple[list[Path], list[Path]]:
         """The sandbox's cgroups with the config's limits; returns their cgroup.procs files.
 
         The same values the OCI runtime writes from ``linux.resources``: memory and
-        memory+swap, CFS quota/period, pids.max, and (v1) the devices allow list."""
+        memory+swap, CFS quota/period, pids.max, and (v1) the devices allow list. Returns
+        the cgroup.procs files to join before the clone and those (cpu) to join late."""
         mem = resources["memory"]
         cpu = resources["cpu"]
         self.cgroups.create(
@@ -325,6 +337,11 @@ class Launcher:
             latency=latency,
         )
         procs = self.cgroups.procs_files(sandbox_id)
+        cpu_roots = {self.cgroups.hierarchy("cpu")}
+        with contextlib.suppress(KeyError):
+            cpu_roots.add(self.cgroups.hierarchy("cpuacct"))
+        late = [p for p in procs if p.parents[2] in cpu_roots]
+        procs = [p for p in procs if p not in late]
         dev = self._devices_root()
         if dev is not None:
             if resources.get("devices") != [{"allow": False, "access": "rwm"}]:
@@ -341,7 +358,7 @@ class Launcher:
             except OSError as e:
                 raise HostError(f"launch: devices cgroup {d}: {e.strerror}") from None
             procs.append(d / "cgroup.procs")
-        return procs
+        return procs, late
 
     def cgroup_mounts(self, procs: Sequence[Path]) -> list[tuple[str, str]]:
         """(name under /sys/fs/cgroup, options) of each v1 hierarchy that ``procs`` (the
@@ -378,6 +395,7 @@ class Launcher:
         ctl_fd: int,
         owner: int,
         cgroup_procs: Sequence[Path],
+        cpu_procs: Sequence[Path] = (),
     ) -> int:
         """Start the sandbox; returns its init's host pid once the init runs (exec'd).
 
@@ -394,7 +412,8 @@ class Launcher:
             sandbox_id=sandbox_id,
             owner=owner,
             cgroup_procs=cgroup_procs,
-            cgroup_mounts=self.cgroup_mounts(cgroup_procs),
+            cgroup_mounts=self.cgroup_mounts([*cgroup_procs, *cpu_procs]),
+            cpu_procs=cpu_procs,
             cgroup_v2=self.cgroups.mode == "v2",
             bpf=bpf,
         )

@@ -10,7 +10,10 @@
  * Options (the launcher process, on the host side, before the sandbox exists):
  *   -n PATH        join this network namespace (the node's prepared one) before the clone
  *   -c FILE        write our pid to this cgroup.procs (repeatable): the sandbox starts in
- *                  its cgroups, and its cgroup namespace is rooted there
+ *                  its cgroups (memory, pids, ...: everything it makes is charged there)
+ *   -k FILE        move the sandbox's process to this cgroup.procs at the step cgns
+ *                  (repeatable): the cpu cgroups, so that the launcher's own work is not
+ *                  done in a best-effort sandbox's idle CPU class
  *   -r RES:SOFT:HARD  setrlimit before the clone (inherited by the sandbox)
  *   -u OWNER       create the user namespace as host uid/gid OWNER (owners.py); 0: as root
  *   -m HOSTID:COUNT  uid and gid map 0..COUNT-1 -> HOSTID..
@@ -31,6 +34,8 @@
  *   mask:DST                hide DST (a directory: empty read-only tmpfs; else /dev/null)
  *   ro:DST                  bind DST onto itself read-only
  *   remount:DST:FLAGS       remount DST (a mount made before) with FLAGS
+ *   cgns                    join the -k cgroups, then a new cgroup namespace (rooted at
+ *                           the sandbox's cgroups in every hierarchy); before cgroup mounts
  *   pivot                   pivot_root into the rootfs
  *   roroot                  the root read-only (after pivot)
  * Fields are separated by a tab, not ':' (shown above for reading).
@@ -126,6 +131,7 @@ static int write_file(const char *path, const char *text)
 /* ------------------------------------------------------------------ paths in the rootfs */
 
 static int root_fd = -1;
+static int sync_sock = -1; /* the child's end of the socketpair with the launcher */
 
 /* Open DST inside the rootfs: symlinks resolve as if the rootfs were /, so an image can
  * never point a mount at a host path. Missing components are created (directories; the
@@ -341,6 +347,14 @@ static void do_step(char *s)
 		if (mount(NULL, p, NULL, MS_REMOUNT | strtoul(f[2], NULL, 16) | kept_flags(p), NULL) < 0)
 			die(f[1]);
 		close(fd);
+	} else if (!strcmp(f[0], "cgns") && n == 1) {
+		char c = 'C';
+		if (write(sync_sock, &c, 1) != 1 || read(sync_sock, &c, 1) != 1 || c != 'K') {
+			errno = EPIPE;
+			die("join the cpu cgroups");
+		}
+		if (unshare(CLONE_NEWCGROUP) < 0)
+			die("unshare(CLONE_NEWCGROUP)");
 	} else if (!strcmp(f[0], "pivot") && n == 1) {
 		/* pivot_root(".", "."): the old root ends up on top; detaching it leaves only the
 		 * sandbox's mounts in this namespace. */
@@ -414,6 +428,7 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 	if (read(go, &c, 1) != 1)
 		_exit(1); /* the launcher died or gave up */
 	close(go);
+	sync_sock = sock;
 	at("become root");
 	if (setresgid(0, 0, 0) < 0 || setgroups(0, NULL) < 0 || setresuid(0, 0, 0) < 0)
 		die("setresuid/setgroups to the sandbox's root");
@@ -513,7 +528,9 @@ static void forward_listener(const char *spec, int lfd, long pid)
 	close(lfd);
 }
 
-static int recv_fd(int sock)
+/* One message from the child: its kind ('C': move me to the -k cgroups; 'L': the seccomp
+ * listener, whose fd goes to *fd), or 0 at EOF (it exec'd or died). */
+static char recv_msg(int sock, int *fd)
 {
 	char b, cbuf[CMSG_SPACE(sizeof(int))];
 	struct iovec iov = {&b, 1};
@@ -521,13 +538,12 @@ static int recv_fd(int sock)
 			   .msg_controllen = sizeof cbuf};
 	ssize_t r = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
 	if (r <= 0)
-		return -1;
+		return 0;
+	*fd = -1;
 	struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
-	if (!cm || cm->cmsg_type != SCM_RIGHTS)
-		return -1;
-	int fd;
-	memcpy(&fd, CMSG_DATA(cm), sizeof fd);
-	return fd;
+	if (cm && cm->cmsg_type == SCM_RIGHTS)
+		memcpy(fd, CMSG_DATA(cm), sizeof *fd);
+	return b;
 }
 
 static void read_bpf(struct plan *pl)
@@ -546,8 +562,8 @@ static void read_bpf(struct plan *pl)
 int main(int argc, char **argv)
 {
 	static struct plan pl;
-	const char *netns = NULL, *cgroups[16];
-	int ncg = 0, i = 1, newnet = 0;
+	const char *netns = NULL, *cgroups[16], *late[16];
+	int ncg = 0, nlate = 0, i = 1, newnet = 0;
 	unsigned owner = 0, hostid = 0, count = 0;
 	for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
 		const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -564,6 +580,8 @@ int main(int argc, char **argv)
 			netns = v;
 		else if (!strcmp(o, "-c") && ncg < 16)
 			cgroups[ncg++] = v;
+		else if (!strcmp(o, "-k") && nlate < 16)
+			late[nlate++] = v;
 		else if (!strcmp(o, "-r")) {
 			unsigned res;
 			unsigned long long soft, hard;
@@ -653,8 +671,10 @@ int main(int argc, char **argv)
 		if (setresgid(-1, owner, -1) < 0 || setresuid(-1, owner, -1) < 0)
 			die("switch to the namespace owner");
 	}
+	/* No CLONE_NEWCGROUP here: the child unshares it at the step cgns, once it is in all
+	 * of its cgroups. */
 	long flags = CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS |
-		     CLONE_NEWCGROUP | (newnet ? CLONE_NEWNET : 0) | SIGCHLD;
+		     (newnet ? CLONE_NEWNET : 0) | SIGCHLD;
 	long pid = syscall(SYS_clone, flags, 0, 0, 0, 0);
 	int cerr = errno;
 	if (pid == 0) {
@@ -706,11 +726,29 @@ int main(int argc, char **argv)
 	if (write(go[1], "g", 1) != 1)
 		die("start the sandbox");
 	close(go[1]);
-	if (pl.listener) {
-		int lfd = recv_fd(sp[0]);
-		if (lfd >= 0) {
+	char kind;
+	int lfd = -1;
+	while ((kind = recv_msg(sp[0], &lfd)) != 0) {
+		if (kind == 'C') {
+			at("cpu cgroups");
+			snprintf(me, sizeof me, "%ld", pid);
+			for (int k = 0; k < nlate; k++)
+				if (write_file(late[k], me) < 0) {
+					int e = errno;
+					kill(pid, SIGKILL);
+					waitpid(pid, NULL, 0);
+					errno = e;
+					die(late[k]);
+				}
+			if (write(sp[0], "K", 1) != 1)
+				die("resume the sandbox");
+		} else if (kind == 'L' && lfd >= 0 && pl.listener) {
 			at("seccomp listener");
 			forward_listener(pl.listener, lfd, pid);
+			break; /* the last message */
+		} else {
+			errno = EPROTO;
+			die("a message from the sandbox's process");
 		}
 	}
 	/* The child's error pipe closes at its exec (CLOEXEC) or its exit. */
