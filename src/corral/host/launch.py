@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from corral.errors import HostError
-from corral.host import cbuild
+from corral.host import cbuild, mounts
 from corral.host.cgroups import Cgroups
+from corral.host.runtime import _TMPFS_MAGIC, _fs_type
 from corral.host.seccomp_bpf import compile_profile, filter_flags
 from corral.policy.caps import cap_mask
 
@@ -291,6 +292,13 @@ class Launcher:
         self.cgroups = cgroups
         self._bpf: dict[str, tuple[bytes, int]] = {}
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
+        # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
+        if _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
+            try:
+                mounts.mount_tmpfs(root, size=16 << 20, mode=0o700)
+            except HostError as e:  # only slower without it
+                log.warning("launch records stay on disk: %s", e.message)
 
     @classmethod
     def detect(cls, cgroups: Cgroups, *, root: Path, helper_dir: Path) -> Launcher:
@@ -306,7 +314,14 @@ class Launcher:
         self._bpf.clear()
 
     def teardown(self) -> None:
-        """Nothing mounted: the records are plain files (removed with their sandbox)."""
+        """Unmount the records' tmpfs (if it made one) once no sandbox is left."""
+        with contextlib.suppress(OSError, HostError):
+            if (
+                mounts.is_mountpoint(self.root)
+                and _fs_type(self.root) == _TMPFS_MAGIC
+                and not any(self.root.iterdir())
+            ):
+                mounts.umount(self.root)
 
     # -- cgroups ----------------------------------------------------------------------
 
