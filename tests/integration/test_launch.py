@@ -202,8 +202,14 @@ async def test_dev_contents(rt_node) -> None:  # type: ignore[no-untyped-def]
 
 async def test_network_none_is_loopback_only(rt_node) -> None:  # type: ignore[no-untyped-def]
     async with sandbox(rt_node) as sid:
-        r = await sh(rt_node, sid, "ls /sys/class/net; tail -n +3 /proc/net/dev | cut -d: -f1")
-    assert r.stdout.decode().split() == ["lo", "lo"]
+        r = await sh(
+            rt_node,
+            sid,
+            "ls /sys/class/net; tail -n +3 /proc/net/dev | cut -d: -f1; "
+            "cat /sys/class/net/lo/flags",
+        )
+    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK).
+    assert r.stdout.decode().split() == ["lo", "lo", "0x9"]
 
 
 async def test_readonly_rootfs(rt_node) -> None:  # type: ignore[no-untyped-def]

@@ -286,7 +286,9 @@ class Launcher:
 
     name = "launch"
 
-    def __init__(self, binary: Path, root: Path, cgroups: Cgroups) -> None:
+    def __init__(
+        self, binary: Path, root: Path, cgroups: Cgroups, *, root_tmpfs: bool = False
+    ) -> None:
         self.binary = str(binary)
         self.root = root
         self.cgroups = cgroups
@@ -294,7 +296,7 @@ class Launcher:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
-        if _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
+        if root_tmpfs and _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
             try:
                 mounts.mount_tmpfs(root, size=16 << 20, mode=0o700)
             except HostError as e:  # only slower without it
@@ -306,7 +308,7 @@ class Launcher:
         why = supported()
         if why is not None:
             raise HostError(f"corral-launch cannot run here: {why}")
-        return cls(ensure_built(helper_dir), root, cgroups)
+        return cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
 
     def close(self) -> None:
         for _, fd in self._bpf.values():

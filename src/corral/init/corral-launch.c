@@ -49,6 +49,7 @@
 #include <grp.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/if.h>
 #include <linux/mount.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
@@ -59,6 +60,7 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -385,9 +387,24 @@ struct plan {
 	int oom_adj, has_oom;
 	unsigned long long caps[5]; /* bnd eff prm inh amb */
 	int has_caps;
-	int seccomp, seccomp_flags;
+	int seccomp, seccomp_flags, newnet;
 	struct sock_fprog prog;
 };
+
+/* A new network namespace starts with its loopback down; runtimes bring it up. */
+static void loopback_up(void)
+{
+	at("loopback");
+	struct ifreq ifr = {0};
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	strcpy(ifr.ifr_name, "lo");
+	if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+		die("lo");
+	ifr.ifr_flags |= IFF_UP;
+	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+		die("bring lo up");
+	close(s);
+}
 
 static void set_caps(const struct plan *pl)
 {
@@ -437,6 +454,8 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 	at("ipc namespace");
 	if (unshare(CLONE_NEWIPC) < 0)
 		die("unshare(CLONE_NEWIPC)");
+	if (pl->newnet)
+		loopback_up();
 	at("hostname");
 	if (pl->hostname && sethostname(pl->hostname, strlen(pl->hostname)) < 0)
 		die(pl->hostname);
@@ -568,7 +587,7 @@ int main(int argc, char **argv)
 	for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
 		const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(o, "-N")) {
-			newnet = 1;
+			newnet = pl.newnet = 1;
 			continue;
 		}
 		if (!v) {
