@@ -55,7 +55,7 @@ def _host_snapshot() -> set[str]:
         except (OSError, subprocess.TimeoutExpired):
             continue
         items.update(f"{kind} {x}" for x in out.splitlines() if x.strip())
-    for root in (TEST_RUN / "runc", TEST_RUN / "crun"):
+    for root in (TEST_RUN / "runc", TEST_RUN / "crun", TEST_RUN / "launch"):
         if root.is_dir():
             items.update(f"container {root}/{d}" for d in os.listdir(root))
     with open("/proc/swaps") as f:

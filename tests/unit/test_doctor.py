@@ -69,6 +69,7 @@ def probes(**kw: object) -> Probes:
         core_scheduling=lambda: (True, "available"),
         criu=lambda: (True, ""),
         runtime=lambda mode, prefer: ("crun", "/usr/bin/crun", False),
+        launch=lambda: "kernel 5.10 is older than 5.12 (mount_setattr)",
         version=lambda binary: "crun version 1.19",
         nft=lambda: None,
         gcc=lambda: None,
@@ -349,3 +350,12 @@ def test_leftover_mounts_held_by_another_mount_namespace_are_named(tmp_path: Pat
     assert not c.ok and "pid 20 (mfsmaster)" in c.detail
     assert "pid 21" not in c.detail and "pid 10" not in c.detail and "pid 30" not in c.detail
     assert c.fix.startswith("end those processes") and "node gc" in c.fix
+
+
+def test_launcher_needs_no_oci_runtime(tmp_path: Path) -> None:
+    def none(mode: str, prefer: str | None) -> tuple[str, str, bool]:
+        raise HostError("no usable OCI runtime: looked for crun, runc on PATH")
+
+    p = probes(runtime=none, launch=lambda: None)
+    c = by_name(run_checks(config(tmp_path), root=fake_host(tmp_path / "root"), probes=p))
+    assert c["oci runtime"].ok and "corral-launch" in c["oci runtime"].detail

@@ -25,8 +25,10 @@ class ContainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["container"] = "container"
-    runtime: Literal["auto", "runc", "crun"] = "auto"
-    """OCI runtime: crun where it works (pure cgroup v2), else runc; or name one."""
+    runtime: Literal["auto", "launch", "runc", "crun"] = "auto"
+    """How sandboxes start: ``launch`` is corral's own launcher (corral.host.launch, no OCI
+    runtime per sandbox), picked by ``auto`` where the kernel supports it (5.12+,
+    libseccomp); else, or when named, an OCI runtime (crun, runc)."""
     owner_uid: int | None = Field(None, ge=1)
     """First of the host uids that own sandbox user namespaces, one per sandbox (see
     corral.host.owners; nothing else on the host may use them); default

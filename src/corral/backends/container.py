@@ -26,7 +26,7 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corral.backends import oci
 from corral.backends.base import (
@@ -46,7 +46,8 @@ from corral.backends.config import ContainerConfig
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
-from corral.host import initfs, mounts
+from corral.host import initfs, launch, mounts
+from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
 from corral.host.userns import SandboxUserns, UserNamespace, drop_file
@@ -70,7 +71,7 @@ class ContainerBackend:
 
     kind = "container"
 
-    runtime: OCIRuntime
+    runtime: OCIRuntime | Launcher
     userns: UserNamespace
     layers: LayerMounts
     owners: OwnerUids | None
@@ -102,13 +103,7 @@ class ContainerBackend:
         if self._started:
             return
         ctx = self.ctx
-        self.runtime = OCIRuntime.detect(
-            ctx.cgroups.mode,
-            root_base=ctx.run_dir,
-            prefer=None if self.config.runtime == "auto" else self.config.runtime,
-            helper_dir=self._helper_dir,
-            root_tmpfs=True,
-        )
+        self.runtime = self._pick_runtime()
         opened: list[Callable[[], object]] = [self.runtime.close]
         try:
             self.init_path = await asyncio.to_thread(self._install_init)
@@ -136,6 +131,27 @@ class ContainerBackend:
             raise
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self._started = True
+
+    def _pick_runtime(self) -> OCIRuntime | Launcher:
+        """corral's launcher where the kernel has what it needs (``auto``) or when asked
+        for; else the OCI runtime (crun, runc)."""
+        ctx, want = self.ctx, self.config.runtime
+        if want in ("auto", "launch"):
+            why = launch.supported()
+            if why is None:
+                return Launcher.detect(
+                    ctx.cgroups, root=ctx.run_dir / "launch", helper_dir=self._helper_dir
+                )
+            if want == "launch":
+                raise HostError(f"runtime launch: {why}")
+            log.info("corral-launch not usable (%s): using an OCI runtime", why)
+        return OCIRuntime.detect(
+            ctx.cgroups.mode,
+            root_base=ctx.run_dir,
+            prefer=None if want in ("auto", "launch") else want,
+            helper_dir=self._helper_dir,
+            root_tmpfs=True,
+        )
 
     def _install_init(self) -> Path:
         """Build corral-init if needed and put it on its own tmpfs (see corral.host.initfs)."""
@@ -346,20 +362,18 @@ class ContainerBackend:
             lsock.bind(str(sock_path))
             os.chmod(sock_path, 0o600)
             lsock.listen(64)
-            config = oci.build_config(
-                rootfs=root,
-                init_host_path=self.init_path,
-                hostname=spec.hostname,
-                cgroups_path=self.cgroups.oci_path(sandbox_id, latency=latency),
-                limits=spec.limits,
-                host_uid=self.host_uid,
-                id_count=self.id_count,
-                annotations={"corral.sandbox": sandbox_id, "corral.image": image.digest},
-                userns_path=None if userns is None else userns.join_path,
-                userns_mappings=self.runtime.name == "runc",
-                notify=self.ctx.seccomp_notify,
-                extra_mounts=[*self.ctx.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
-                readonly_root=spec.readonly_rootfs,
+            if isinstance(self.runtime, Launcher):
+                return await self._launch(
+                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency
+                )
+            config = self._config(
+                sandbox_id,
+                spec,
+                image,
+                root,
+                userns,
+                latency,
+                mappings=self.runtime.name == "runc",
             )
             bpf_key = self._reuse_seccomp_bpf(config)
             if userns is not None and not oci.joins_userns(config):
@@ -385,6 +399,12 @@ class ContainerBackend:
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
+        return await self._after_start(sandbox_id, spec, pid, phases)
+
+    async def _after_start(
+        self, sandbox_id: str, spec: SandboxSpec, pid: int, phases: Phases
+    ) -> int:
+        """The end of a create: QoS class, then wait until the init answers."""
         # Before any guest command exists, so everything the sandbox starts inherits it.
         qos.apply(pid, spec.qos)
         # The runtime may return while the container is still being set up (its last steps,
@@ -401,6 +421,67 @@ class ContainerBackend:
                     "delays it"
                 ) from None
         return pid
+
+    async def _launch(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        undo: list[Callable[[], object]],
+        phases: Phases,
+        lsock: socket.socket,
+        root: Path,
+        userns: SandboxUserns | None,
+        latency: bool,
+    ) -> int:
+        """The rest of a create with corral's launcher (:mod:`corral.host.launch`): the
+        same OCI config, executed without a runtime; no bundle is written."""
+        assert isinstance(self.runtime, Launcher)
+        launcher = self.runtime
+        config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
+        procs, cpu_procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
+        undo.append(lambda: self.cgroups.remove(sandbox_id))
+        undo.append(lambda: launcher.delete(sandbox_id, force=True))
+        with phases.phase("runtime_start"):
+            pid = await launcher.start(
+                sandbox_id,
+                config,
+                ctl_fd=lsock.fileno(),
+                owner=0 if userns is None else userns.owner,
+                cgroup_procs=procs,
+                cpu_procs=cpu_procs,
+            )
+        lsock.close()  # the init holds its own copy now
+        return await self._after_start(sandbox_id, spec, pid, phases)
+
+    def _config(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        root: Path,
+        userns: SandboxUserns | None,
+        latency: bool,
+        *,
+        mappings: bool,
+    ) -> dict[str, Any]:
+        """The sandbox's OCI config (:func:`corral.backends.oci.build_config`): its whole
+        security posture, whichever way it is started."""
+        return oci.build_config(
+            rootfs=root,
+            init_host_path=self.init_path,
+            hostname=spec.hostname,
+            cgroups_path=self.cgroups.oci_path(sandbox_id, latency=latency),
+            limits=spec.limits,
+            host_uid=self.host_uid,
+            id_count=self.id_count,
+            annotations={"corral.sandbox": sandbox_id, "corral.image": image.digest},
+            userns_path=None if userns is None else userns.join_path,
+            userns_mappings=mappings,
+            notify=self.ctx.seccomp_notify,
+            extra_mounts=[*self.ctx.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
+            readonly_root=spec.readonly_rootfs,
+        )
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:
         """Hand crun the seccomp filter it compiled for an identical profile before.
@@ -440,7 +521,10 @@ class ContainerBackend:
             self._seccomp_bpf[key] = base64.b64encode(raw).decode()
 
     def init_pid(self, sandbox_id: str) -> int | None:
-        """Host pid of the sandbox's init, read from the runtime's state file (no exec)."""
+        """Host pid of the sandbox's init, read from the runtime's state file (no exec),
+        or the launcher's record."""
+        if isinstance(self.runtime, Launcher):
+            return self.runtime.init_pid(sandbox_id)
         for name in ("state.json", "status"):
             p = self.runtime.root / sandbox_id / name
             try:

@@ -64,7 +64,9 @@ _Subtree = Annotated[
 _Store = Annotated[
     Path | None, typer.Option("--store", help="Layer store to read (default: STATE_DIR/store).")
 ]
-_Runtime = Annotated[str, typer.Option("--runtime", help="OCI runtime: auto, runc or crun.")]
+_Runtime = Annotated[
+    str, typer.Option("--runtime", help="How sandboxes start: auto, launch, runc or crun.")
+]
 _DockerMethod = Annotated[
     str,
     typer.Option(
@@ -152,8 +154,10 @@ def _options(
 ) -> BenchOptions:
     if vs not in (None, "docker"):
         raise typer.BadParameter(f"{vs!r}: the only baseline is 'docker'", param_hint="--vs")
-    if runtime not in ("auto", "runc", "crun"):
-        raise typer.BadParameter(f"{runtime!r}: use auto, runc or crun", param_hint="--runtime")
+    if runtime not in ("auto", "launch", "runc", "crun"):
+        raise typer.BadParameter(
+            f"{runtime!r}: use auto, launch, runc or crun", param_hint="--runtime"
+        )
     if not subtree.startswith("corral"):
         raise typer.BadParameter("must start with 'corral'", param_hint="--cgroup-subtree")
     if docker_method not in scenarios.DOCKER_METHODS:

@@ -278,7 +278,17 @@ def _runtime(x: _Ctx) -> Check:
         mode = detect_mode(mountinfo)
         container = x.config.backend_config("container")
         runtime = container.runtime if isinstance(container, ContainerConfig) else "auto"
-        prefer = None if runtime == "auto" else runtime
+        if runtime in ("auto", "launch"):
+            why = x.probes.launch()
+            if why is None:
+                return _c(
+                    "oci runtime", True, "none needed: corral-launch starts sandboxes", fatal=True
+                )
+            if runtime == "launch":
+                return _c(
+                    "oci runtime", False, f"corral-launch: {why}", "runtime = auto", fatal=True
+                )
+        prefer = None if runtime in ("auto", "launch") else runtime
         name, binary, legacy = x.probes.runtime(mode, prefer)
     except HostError as e:
         return _c("oci runtime", False, e.message, "apt-get install crun (or runc)", fatal=True)

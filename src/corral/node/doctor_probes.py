@@ -19,6 +19,7 @@ from pathlib import Path
 
 from corral.errors import HostError
 from corral.host import criu, fdstore, landlock, leaks, sched
+from corral.host.launch import supported as launch_supported
 from corral.host.runtime import pick
 from corral.node.config import NodeConfig
 
@@ -125,6 +126,7 @@ class Probes:
     core_scheduling: Callable[[], tuple[bool, str]] = sched.core_scheduling
     criu: Callable[[], tuple[bool, str]] = criu.checkpoint_support
     runtime: Callable[[str, str | None], tuple[str, str, bool]] = pick
+    launch: Callable[[], str | None] = launch_supported
     version: Callable[[str], str | None] = _run_version
     nft: Callable[[], str | None] = _nft_probe
     gcc: Callable[[], str | None] = _gcc_static

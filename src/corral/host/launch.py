@@ -1,0 +1,593 @@
+"""corral's own container launcher: a sandbox from its OCI config without an OCI runtime.
+
+``crun run`` costs ~30 ms of CPU per sandbox (a 300 KB dynamically linked program that
+parses, validates and generalises the config, forks twice, compiles seccomp); the kernel
+work a corral sandbox needs (namespaces, mounts, pivot_root, exec) costs a few ms.
+:func:`plan` translates the config that :func:`corral.backends.oci.build_config` built,
+the one statement of a sandbox's security posture, into a flat list of steps; the small
+static program ``corral-launch`` (``corral/init/corral-launch.c``) executes them and execs
+corral-init as PID 1. Anything in the config that the translation does not know is an
+error, never silently dropped.
+
+The node makes the sandbox's cgroups with their limits (:meth:`Cgroups.create`) before the
+launch; the launcher joins them before it clones, so the sandbox never runs outside them.
+The init's host pid is recorded as ``<root>/<id>`` (pid and start time, on tmpfs) so a
+restarted node finds it and never mistakes a reused pid for it.
+
+Example::
+
+    ln = Launcher.detect(cgroups, root=Path("/run/corral/launch"), helper_dir=bin_dir)
+    pid = await ln.start("sb-1", config, ctl_fd=sock.fileno(), owner=165536)
+    ln.init_pid("sb-1") == pid
+    await ln.delete("sb-1")            # kills what the cgroup holds, forgets the record
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corral.errors import HostError
+from corral.host import cbuild, mounts
+from corral.host.cgroups import Cgroups
+from corral.host.runtime import _TMPFS_MAGIC, _fs_type
+from corral.host.seccomp_bpf import compile_profile, filter_flags
+from corral.policy.caps import cap_mask
+
+__all__ = ["SOURCE", "Launcher", "ensure_built", "plan", "supported"]
+
+log = logging.getLogger("corral.launch")
+
+SOURCE = Path(__file__).parent.parent / "init" / "corral-launch.c"
+CFLAGS = ("-static", "-O2", "-Wall", "-s")
+
+# mount(2) flags of the OCI mount options corral's configs use.
+_MS = {
+    "ro": 0x1,
+    "nosuid": 0x2,
+    "nodev": 0x4,
+    "noexec": 0x8,
+    "noatime": 0x400,
+    "nodiratime": 0x800,
+    "relatime": 0x200000,
+    "strictatime": 0x1000000,
+}
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RELATIME = 0x1, 0x2, 0x4, 0x8, 0x200000
+_NAMESPACES = {"pid", "mount", "ipc", "uts", "cgroup", "user", "network"}
+# What runc and crun put in /dev of every container (the config's device list is empty).
+_DEVICES = ("null", "zero", "full", "tty", "random", "urandom")
+_DEV_LINKS = (
+    ("/proc/self/fd", "/dev/fd"),
+    ("/proc/self/fd/0", "/dev/stdin"),
+    ("/proc/self/fd/1", "/dev/stdout"),
+    ("/proc/self/fd/2", "/dev/stderr"),
+    ("pts/ptmx", "/dev/ptmx"),
+    ("/proc/kcore", "/dev/core"),
+)
+# The devices cgroup (v1) of those: crun's default allow list.
+_DEVICES_ALLOW = (
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 5:0 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",
+)
+FAULT_ENV = "CORRAL_LAUNCH_FAULT"
+"""Test hook: the name of a launcher step (see corral-launch.c) before which it crashes."""
+
+
+def ensure_built(out_dir: Path) -> Path:
+    """Compile corral-launch into ``out_dir`` unless this source version is there."""
+    return cbuild.build_static("corral-launch", SOURCE.read_bytes(), CFLAGS, out_dir)
+
+
+def supported() -> str | None:
+    """Why this host cannot use the launcher (None: it can): it needs openat2 (5.6),
+    mount_setattr (5.12) and libseccomp."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return f"cannot read the kernel version {os.uname().release!r}"
+    if (major, minor) < (5, 12):
+        return f"kernel {os.uname().release} is older than 5.12 (mount_setattr)"
+    try:
+        from corral.host.seccomp_bpf import _libseccomp
+
+        _libseccomp()
+    except HostError as e:
+        return e.message
+    return None
+
+
+def _sep(*parts: str) -> str:
+    for p in parts:
+        if "\t" in p or "\0" in p:
+            raise HostError(f"launch: a tab or NUL in {p!r} (mount paths and options)")
+    return "\t".join(parts)
+
+
+def _flags(options: Sequence[str]) -> tuple[int, list[str], bool, bool]:
+    """(MS_* flags, data options, recursive bind, recursively read-only) of OCI options."""
+    flags, data, rec, rro = 0, [], False, False
+    for o in options:
+        if o in _MS:
+            flags |= _MS[o]
+        elif o == "bind":
+            pass
+        elif o == "rbind":
+            rec = True
+        elif o == "rro":
+            rro = True
+        elif o in ("rw", "private", "rprivate"):
+            pass
+        else:
+            data.append(o)
+    return flags, data, rec, rro
+
+
+@dataclass
+class Plan:
+    """What the launcher is told: its argv (after the binary) and the BPF to hand it."""
+
+    args: list[str]
+    bpf: bytes | None = None
+    seccomp_flags: int = 0
+    cgroups: list[Path] = field(default_factory=list)
+
+
+def plan(
+    config: dict[str, Any],
+    *,
+    sandbox_id: str,
+    owner: int,
+    cgroup_procs: Sequence[Path],
+    cgroup_mounts: Sequence[tuple[str, str]],
+    cgroup_v2: bool,
+    cpu_procs: Sequence[Path] = (),
+    bpf: bytes | None = None,
+) -> Plan:
+    """The launcher's instructions for ``config`` (see the module docstring).
+
+    ``cgroup_procs``: the sandbox's cgroup.procs files joined before the clone;
+    ``cpu_procs``: those joined once the mounts are made, just before the sandbox's cgroup
+    namespace is made (the cpu ones: the launcher's work is the node's, not done on a
+    best-effort sandbox's idle CPU; crun's work is not either).
+    ``cgroup_mounts``: (name under /sys/fs/cgroup, mount options) of each v1 hierarchy the
+    sandbox has a cgroup of its own in: only those are mounted in the guest (a hierarchy
+    where it has none would show the node's cgroup). ``bpf``: the compiled seccomp filter
+    if the caller has it cached (else it is compiled here).
+    """
+    proc, linux = config["process"], config["linux"]
+    if proc.get("terminal") or proc.get("user", {}) != {"uid": 0, "gid": 0}:
+        raise HostError("launch: only a non-terminal process as uid 0 is supported")
+    if not proc.get("noNewPrivileges"):
+        raise HostError("launch: configs without noNewPrivileges are not supported")
+    if len(proc["args"]) != 1 or proc.get("cwd", "/") != "/":
+        raise HostError(f"launch: the process must be one program in / ({proc['args']})")
+    args: list[str] = ["-x", proc["args"][0]]
+    for e in proc.get("env", []):
+        args += ["-e", e]
+    for r in proc.get("rlimits", []):
+        import resource
+
+        res = getattr(resource, r["type"])
+        args += ["-r", f"{int(res)}:{int(r['soft'])}:{int(r['hard'])}"]
+    caps = proc.get("capabilities")
+    if caps is not None:
+        masks = [
+            cap_mask(caps.get(k, []))
+            for k in ("bounding", "effective", "permitted", "inheritable", "ambient")
+        ]
+        args += ["-C", ":".join(f"{m:x}" for m in masks)]
+    if "oomScoreAdj" in proc:
+        args += ["-o", str(int(proc["oomScoreAdj"]))]
+    args += ["-h", config["hostname"]]
+
+    nss = {n["type"]: n.get("path") for n in linux["namespaces"]}
+    if set(nss) != _NAMESPACES:
+        raise HostError(f"launch: namespaces {sorted(nss)} are not {sorted(_NAMESPACES)}")
+    if any(nss[t] for t in _NAMESPACES - {"network", "user"}):
+        raise HostError("launch: only the network and user namespaces may be joined")
+    if nss["network"]:
+        args += ["-n", nss["network"]]
+    else:
+        args.append("-N")
+    maps = linux.get("uidMappings")
+    if not maps or maps != linux.get("gidMappings") or len(maps) != 1:
+        raise HostError("launch: needs one uid mapping, the same for gids")
+    (m,) = maps
+    if m["containerID"] != 0:
+        raise HostError("launch: the mapping must start at id 0")
+    args += ["-m", f"{m['hostID']}:{m['size']}", "-u", str(owner)]
+    for p in cgroup_procs:
+        args += ["-c", str(p)]
+    for p in cpu_procs:
+        args += ["-k", str(p)]
+
+    out = Plan(args=args, cgroups=list(cgroup_procs))
+    seccomp = linux.get("seccomp")
+    if seccomp:
+        out.bpf = bpf if bpf is not None else compile_profile(seccomp)
+        out.seccomp_flags = filter_flags(seccomp)
+        args += ["-s", f"{out.seccomp_flags:x}"]
+        if seccomp.get("listenerPath"):
+            args += ["-l", _sep(seccomp["listenerPath"], sandbox_id)]
+
+    steps = [_sep("root", config["root"]["path"])]
+    cg_steps = ["cgns"]
+    has_dev = False
+    for mnt in config["mounts"]:
+        dst, typ, src = mnt["destination"], mnt["type"], mnt.get("source", "")
+        flags, data, rec, rro = _flags(mnt.get("options", []))
+        if typ == "bind":
+            steps.append(_sep("bind", src, dst, f"{flags:x}", "1" if rec else "0"))
+            if rro:
+                steps.append(_sep("rro", dst))
+        elif typ == "cgroup":
+            # After the cgroup namespace exists (see corral-launch.c, step cgns).
+            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2)
+        else:
+            steps.append(_sep("fs", typ, src, dst, f"{flags:x}", ",".join(data)))
+        has_dev = has_dev or dst == "/dev"
+    if has_dev:
+        for d in _DEVICES:
+            # As crun does it in a user namespace: the host's node, bound (no mknod here).
+            steps.append(
+                _sep("bind", f"/dev/{d}", f"/dev/{d}", f"{_MS_NOSUID | _MS_NOEXEC:x}", "0")
+            )
+        for target, link in _DEV_LINKS:
+            steps.append(_sep("ln", target, link))
+    steps += [_sep("mask", p) for p in linux.get("maskedPaths", [])]
+    steps += [_sep("ro", p) for p in linux.get("readonlyPaths", [])]
+    steps += cg_steps
+    steps.append("pivot")
+    if config["root"].get("readonly"):
+        steps.append("roroot")
+    if linux.get("rootfsPropagation", "private") != "private":
+        raise HostError("launch: only private rootfs propagation is supported")
+    args += ["--", *steps]
+    return out
+
+
+def _cgroup_steps(
+    dst: str, flags: int, hierarchies: Sequence[tuple[str, str]], v2: bool
+) -> list[str]:
+    """The guest's /sys/fs/cgroup, as crun mounts it: v2 one read-only cgroup2; v1 a
+    tmpfs with each hierarchy the sandbox has a cgroup in, read-only, then the tmpfs too."""
+    ro = flags | _MS_RDONLY
+    if v2:
+        return [_sep("fs", "cgroup2", "cgroup", dst, f"{ro:x}", "")]
+    base = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RELATIME
+    steps = [_sep("fs", "tmpfs", "cgroup", dst, f"{base:x}", "mode=755,size=1024k")]
+    for name, opts in hierarchies:
+        steps.append(_sep("fs", "cgroup", "cgroup", f"{dst}/{name}", f"{ro:x}", opts))
+    steps.append(_sep("remount", dst, f"{_MS_RDONLY | base:x}"))
+    return steps
+
+
+class Launcher:
+    """Starts sandboxes with corral-launch; keeps a record per sandbox under ``root``.
+
+    Duck-compatible with the parts of :class:`corral.host.runtime.OCIRuntime` the container
+    backend uses for cleanup (``root``, ``list``, ``delete``, ``forget_stopped``)."""
+
+    name = "launch"
+
+    def __init__(
+        self, binary: Path, root: Path, cgroups: Cgroups, *, root_tmpfs: bool = False
+    ) -> None:
+        self.binary = str(binary)
+        self.root = root
+        self.cgroups = cgroups
+        self._bpf: dict[str, tuple[bytes, int]] = {}
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
+        # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
+        if root_tmpfs and _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
+            try:
+                mounts.mount_tmpfs(root, size=16 << 20, mode=0o700)
+            except HostError as e:  # only slower without it
+                log.warning("launch records stay on disk: %s", e.message)
+
+    @classmethod
+    def detect(cls, cgroups: Cgroups, *, root: Path, helper_dir: Path) -> Launcher:
+        """A launcher, or HostError naming what this host lacks for one."""
+        why = supported()
+        if why is not None:
+            raise HostError(f"corral-launch cannot run here: {why}")
+        return cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+
+    def close(self) -> None:
+        for _, fd in self._bpf.values():
+            os.close(fd)
+        self._bpf.clear()
+
+    def teardown(self) -> None:
+        """Unmount the records' tmpfs (if it made one) once no sandbox is left."""
+        with contextlib.suppress(OSError, HostError):
+            if (
+                mounts.is_mountpoint(self.root)
+                and _fs_type(self.root) == _TMPFS_MAGIC
+                and not any(self.root.iterdir())
+            ):
+                mounts.umount(self.root)
+
+    # -- cgroups ----------------------------------------------------------------------
+
+    def _devices_root(self) -> Path | None:
+        if self.cgroups.mode == "v2":
+            return None
+        for r in self.cgroups.all_roots:
+            if "devices" in r.name.split(","):
+                return r
+        return None
+
+    def make_cgroup(
+        self, sandbox_id: str, resources: dict[str, Any], latency: bool
+    ) -> tuple[list[Path], list[Path]]:
+        """The sandbox's cgroups with the config's limits; returns their cgroup.procs files.
+
+        The same values the OCI runtime writes from ``linux.resources``: memory and
+        memory+swap, CFS quota/period, pids.max, and (v1) the devices allow list. Returns
+        the cgroup.procs files to join before the clone and those (cpu) to join late."""
+        mem = resources["memory"]
+        cpu = resources["cpu"]
+        self.cgroups.create(
+            sandbox_id,
+            cpus=cpu["quota"] / cpu["period"],
+            memory=int(mem["limit"]),
+            pids=int(resources["pids"]["limit"]),
+            swap=int(mem["swap"]) - int(mem["limit"]),
+            latency=latency,
+        )
+        procs = self.cgroups.procs_files(sandbox_id)
+        cpu_roots = {self.cgroups.hierarchy("cpu")}
+        with contextlib.suppress(KeyError):
+            cpu_roots.add(self.cgroups.hierarchy("cpuacct"))
+        late = [p for p in procs if p.parents[2] in cpu_roots]
+        procs = [p for p in procs if p not in late]
+        dev = self._devices_root()
+        if dev is not None:
+            if resources.get("devices") != [{"allow": False, "access": "rwm"}]:
+                raise HostError("launch: only the deny-all device list is supported")
+            top = dev / (self.cgroups.latency_root if latency else self.cgroups.subtree)
+            d = top / sandbox_id
+            try:
+                top.mkdir(exist_ok=True)
+                d.mkdir(exist_ok=True)
+                # Safe: device rules of corral's own sandbox cgroup.
+                _write(d / "devices.deny", "a")
+                for rule in _DEVICES_ALLOW:
+                    _write(d / "devices.allow", rule)
+            except OSError as e:
+                raise HostError(f"launch: devices cgroup {d}: {e.strerror}") from None
+            procs.append(d / "cgroup.procs")
+        return procs, late
+
+    def cgroup_mounts(self, procs: Sequence[Path]) -> list[tuple[str, str]]:
+        """(name under /sys/fs/cgroup, options) of each v1 hierarchy that ``procs`` (the
+        sandbox's cgroup.procs files, ``<hierarchy>/<top>/<id>/cgroup.procs``) lie in."""
+        if self.cgroups.mode == "v2":
+            return []
+        roots = {p.parents[2] for p in procs}
+        return sorted((r.name, r.name) for r in roots)
+
+    # -- start ------------------------------------------------------------------------
+
+    def _bpf_fd(self, profile: dict[str, Any]) -> tuple[bytes, int]:
+        """The compiled filter of ``profile`` and a sealed memfd holding it (one per
+        distinct profile, compiled once: ~20 ms)."""
+        key = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
+        got = self._bpf.get(key)
+        if got is None:
+            bpf = compile_profile(profile)
+            fd = os.memfd_create("corral-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.write(fd, bpf)
+            fcntl.fcntl(
+                fd,
+                fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE,
+            )
+            got = self._bpf[key] = (bpf, fd)
+        return got
+
+    async def start(
+        self,
+        sandbox_id: str,
+        config: dict[str, Any],
+        *,
+        ctl_fd: int,
+        owner: int,
+        cgroup_procs: Sequence[Path],
+        cpu_procs: Sequence[Path] = (),
+    ) -> int:
+        """Start the sandbox; returns its init's host pid once the init runs (exec'd).
+
+        HostError with the launcher's one-line report (which step, which errno) on
+        failure; the caller's undo removes the cgroup (and with it anything the launcher
+        started)."""
+        bpf_fd = -1
+        bpf = None
+        seccomp = config["linux"].get("seccomp")
+        if seccomp:
+            bpf, bpf_fd = self._bpf_fd(seccomp)
+        p = plan(
+            config,
+            sandbox_id=sandbox_id,
+            owner=owner,
+            cgroup_procs=cgroup_procs,
+            cgroup_mounts=self.cgroup_mounts([*cgroup_procs, *cpu_procs]),
+            cpu_procs=cpu_procs,
+            cgroup_v2=self.cgroups.mode == "v2",
+            bpf=bpf,
+        )
+        argv = [self.binary]
+        fault = os.environ.get(FAULT_ENV)
+        if fault:
+            argv += ["-F", fault]
+        argv += p.args
+        rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd)
+        except BaseException:
+            os.close(rep_r)
+            os.close(rep_w)
+            raise
+        os.close(rep_w)
+        try:
+            # Like the runtime's: a cancelled create still lets the launcher finish, so
+            # the undo finds (and kills) what it started.
+            code = await _outlive_cancel(asyncio.ensure_future(_wait(pid)))
+            report = _read_all(rep_r).decode(errors="replace").strip()
+        finally:
+            os.close(rep_r)
+        if code != 0 or not report.startswith("PID "):
+            why = report.removeprefix("ERR ") or f"exit status {code}, no report"
+            raise HostError(f"corral-launch {sandbox_id}: {why}")
+        init = int(report.split()[1])
+        self._record(sandbox_id, init)
+        return init
+
+    # -- records ----------------------------------------------------------------------
+
+    def _path(self, sandbox_id: str) -> Path:
+        if not sandbox_id or "/" in sandbox_id or sandbox_id.startswith("."):
+            raise HostError(f"launch: bad sandbox id {sandbox_id!r}")
+        return self.root / sandbox_id
+
+    def _record(self, sandbox_id: str, pid: int) -> None:
+        start = _start_time(pid)
+        if start is None:
+            raise HostError(f"corral-launch {sandbox_id}: its init (pid {pid}) is gone")
+        tmp = self.root / f".{sandbox_id}.tmp"
+        # No fsync: a record never outlives a host crash (its sandbox dies with the host).
+        tmp.write_text(f"{pid} {start}\n")
+        os.replace(tmp, self._path(sandbox_id))
+
+    def init_pid(self, sandbox_id: str) -> int | None:
+        """The init's host pid, if the recorded process still exists (same start time)."""
+        try:
+            pid_s, start = self._path(sandbox_id).read_text().split()
+        except (OSError, ValueError):
+            return None
+        pid = int(pid_s)
+        return pid if _start_time(pid) == start else None
+
+    async def list(self) -> list[dict[str, Any]]:
+        """Every sandbox with a record (what gc compares with the live ones)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return [{"id": n} for n in names if not n.startswith(".")]
+
+    async def delete(self, sandbox_id: str, force: bool = True) -> None:
+        """Kill every process of the sandbox's cgroup (``force``) and forget it."""
+        if force:
+            for _ in range(500):
+                try:
+                    left = self.cgroups.procs(sandbox_id)
+                except HostError:
+                    break  # no cgroup
+                if not left:
+                    break
+                for p in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(p, signal.SIGKILL)  # Safe: a pid read from its cgroup
+                await asyncio.sleep(0.002)
+        self.forget_stopped(sandbox_id)
+
+    def forget_stopped(self, sandbox_id: str) -> None:
+        self._path(sandbox_id).unlink(missing_ok=True)
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in ticks since boot): with the pid, an
+    identity no later process can have."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _spawn(argv: list[str], ctl_fd: int, report_fd: int, bpf_fd: int) -> int:
+    """posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
+    4 (report pipe), 5 (BPF program) and stdio on /dev/null."""
+    dups: list[int] = []
+    try:
+        # Above 9, so the dup2s below never have source == target (which would keep CLOEXEC).
+        for fd in (ctl_fd, report_fd, bpf_fd):
+            dups.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) if fd >= 0 else -1)
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+        ]
+        for target, src in zip((3, 4, 5), dups, strict=True):
+            if src >= 0:
+                actions.append((os.POSIX_SPAWN_DUP2, src, target))
+        # Safe: runs corral's own launcher with the sandbox's plan; only fds 0-5 cross.
+        return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+    finally:
+        for d in dups:
+            if d >= 0:
+                os.close(d)
+
+
+async def _wait(pid: int) -> int:
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    done: asyncio.Future[int] = loop.create_future()
+
+    def reap() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            code = -1
+        if not done.done():
+            done.set_result(code)
+
+    loop.add_reader(pidfd, reap)
+    return await asyncio.shield(done)
+
+
+async def _outlive_cancel(job: asyncio.Future[int]) -> int:
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job], timeout=30)
+        raise
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    out = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 4096):
+            out += chunk
+    return out

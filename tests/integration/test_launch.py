@@ -1,0 +1,400 @@
+"""corral's own launcher (corral.host.launch) enforces what the OCI runtime enforced.
+
+Every property test runs against both ways of starting a sandbox (``runtime`` crun and
+launch, one node each), from inside the guest where the property is visible there and
+from the host where it is a cgroup value. Then: the launcher's seccomp filter is crun's,
+byte for byte; a launcher killed at any step leaves nothing ``node gc`` cannot remove; a
+restarted node finds a launched sandbox's init again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral.backends.config import ContainerConfig
+from corral.policy.caps import GUEST_CAPS, cap_mask
+from corral.spec import ExecRequest, ExecResult, Limits, SandboxSpec
+from tests.conftest import TEST_RUN, TEST_STATE, TEST_SUBTREE
+from tests.integration.conftest import assert_no_leaks, node_config, open_node
+
+RUNTIMES = ["crun", "launch"]
+BUSYBOX = "test/busybox"
+DEBIAN = "test/debian"
+
+
+def _dirs(suffix: str) -> dict[str, Any]:
+    return dict(
+        state_dir=Path(f"{TEST_STATE}-{suffix}"),
+        run_dir=Path(f"{TEST_RUN}-{suffix}"),
+        cgroup_subtree=f"{TEST_SUBTREE}-{suffix}",
+    )
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+async def rt_node(request, images_ready):  # type: ignore[no-untyped-def]
+    rt = request.param
+    async with open_node(backends=[ContainerConfig(runtime=rt)], **_dirs(f"l{rt[:2]}")) as n:
+        assert n.backends.get("container").runtime.name == rt  # type: ignore[union-attr]
+        yield n
+
+
+@contextlib.asynccontextmanager
+async def sandbox(node, **spec: Any) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    spec.setdefault("image", BUSYBOX)
+    info = await node.sandbox_create(SandboxSpec(**spec))
+    try:
+        yield info.id
+    finally:
+        await node.sandbox_destroy(info.id)
+
+
+async def sh(node, sid: str, script: str, timeout: float = 60) -> ExecResult:  # type: ignore[no-untyped-def]
+    return await node.exec(sid, ExecRequest(cmd=["sh", "-c", script], timeout=timeout))
+
+
+def _status(text: str) -> dict[str, str]:
+    return {k: v.strip() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
+
+
+# ------------------------------------------------------------------ process properties
+
+
+async def test_root_is_not_host_root(rt_node) -> None:  # type: ignore[no-untyped-def]
+    backend = rt_node.backends.get("container")
+    async with sandbox(rt_node) as sid:
+        r = await sh(rt_node, sid, "cat /proc/self/uid_map /proc/self/gid_map; id -u")
+        lines = [ln.split() for ln in r.stdout.decode().splitlines()]
+        assert lines[0] == ["0", str(backend.host_uid), str(backend.id_count)]
+        assert lines[1] == lines[0]
+        assert lines[2] == ["0"]
+        pid = backend.init_pid(sid)
+        host = _status(Path(f"/proc/{pid}/status").read_text())
+        assert host["Uid"].split() == [str(backend.host_uid)] * 4
+        assert host["Gid"].split() == [str(backend.host_uid)] * 4
+        assert host["Groups"] == ""
+
+
+async def test_capabilities_and_no_new_privs(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node) as sid:
+        st = _status((await sh(rt_node, sid, "cat /proc/self/status")).stdout.decode())
+    want = f"{cap_mask(GUEST_CAPS):016x}"
+    assert (st["CapEff"], st["CapPrm"], st["CapBnd"]) == (want, want, want)
+    assert st["CapInh"] == st["CapAmb"] == "0" * 16
+    assert st["NoNewPrivs"] == "1"
+    assert st["Seccomp"] == "2" and st["Seccomp_filters"] == "1"
+    assert st["Groups"] == ""
+
+
+async def test_rlimits_oom_score_hostname(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, hostname="box-7") as sid:
+        r = await sh(rt_node, sid, "cat /proc/self/limits; cat /proc/1/oom_score_adj; hostname")
+    out = r.stdout.decode()
+    limits = {ln[:26].strip(): ln[26:].split()[:2] for ln in out.splitlines()[1:18]}
+    assert limits["Max open files"][0] == "1024"
+    assert limits["Max core file size"] == ["0", "0"]
+    assert out.splitlines()[-2:] == ["1000", "box-7"]
+
+
+async def test_seccomp_denies_and_notifies(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, image=DEBIAN) as sid:
+        # keyctl (denied) -> EPERM; unshare(CLONE_NEWUSER) is a notify rule -> EPERM too.
+        r = await sh(
+            rt_node,
+            sid,
+            "python3 -c 'import ctypes; c=ctypes.CDLL(None, use_errno=True); "
+            "print(c.syscall(250, 0, 0, 0, 0, 0), ctypes.get_errno()); "
+            "print(c.unshare(0x10000000), ctypes.get_errno())'",
+        )
+        assert r.stdout.decode().split() == ["-1", "1", "-1", "1"], r
+        listener = rt_node.security.listener
+        if listener is not None:  # the notify path: the node holds the sandbox's listener fd
+            assert sid in listener.watched()
+
+
+async def test_masked_and_readonly_paths(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node) as sid:
+        r = await sh(
+            rt_node,
+            sid,
+            "for f in /proc/kcore /proc/kpagecgroup /proc/kpageflags /proc/timer_list "
+            "/proc/keys /proc/kallsyms /sys/kernel/vmcoreinfo; do "
+            "  [ -e $f ] && echo SIZE $f $(cat $f 2>/dev/null | wc -c); done; "
+            "echo EMPTY $(for d in /proc/acpi /sys/firmware /sys/kernel/debug; do ls -A $d; done "
+            "| wc -l); "
+            "echo 1 > /proc/sys/kernel/ns_last_pid && echo WROTE; "
+            "echo x > /proc/sysrq-trigger && echo WROTE; "
+            "mkdir /sys/fs/cgroup/x && echo CGROUP-TMPFS-WRITABLE; true",
+        )
+    out = r.stdout.decode()
+    sizes = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("SIZE ")]
+    assert ["/proc/kpagecgroup", "0"] in sizes, out  # (this kernel has no /proc/kcore)
+    assert all(s[1] == "0" for s in sizes), out
+    assert "EMPTY 0" in out
+    assert "WROTE" not in out
+    if rt_node.backends.get("container").runtime.name == "launch":
+        # crun leaves the tmpfs under /sys/fs/cgroup writable (harmless: the sandbox's own
+        # memory); the launcher makes it read-only.
+        assert "CGROUP-TMPFS-WRITABLE" not in out
+
+
+async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-untyped-def]
+    cfg = rt_node.config
+    async with sandbox(rt_node) as sid:
+        text = (await sh(rt_node, sid, "cat /proc/self/mountinfo")).stdout.decode()
+    points = {ln.split()[4] for ln in text.splitlines()}
+    for p in (
+        "/",
+        "/proc",
+        "/dev",
+        "/dev/pts",
+        "/dev/shm",
+        "/dev/mqueue",
+        "/sys",
+        "/sys/fs/cgroup",
+        "/sys/fs/cgroup/memory",
+        "/.corral/init",
+        "/proc/kpagecgroup",
+        "/proc/sys",
+        "/dev/null",
+    ):
+        assert p in points, (p, sorted(points))
+    for bad in (str(cfg.state_dir), str(cfg.run_dir), sid, "/var/lib", "/work", "/home"):
+        assert bad not in text, bad
+    root = next(ln for ln in text.splitlines() if ln.split()[4] == "/")
+    assert "nodev" in root.split()[5]
+    init = next(ln for ln in text.splitlines() if ln.split()[4] == "/.corral/init")
+    assert set(init.split()[5].split(",")) >= {"ro", "nosuid", "nodev"}
+
+
+async def test_dev_contents(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node) as sid:
+        r = await sh(rt_node, sid, "ls -A /dev; ls -A /dev/pts; echo hi > /dev/null && echo ok")
+    names = r.stdout.decode().split()
+    assert names == [
+        "core",
+        "fd",
+        "full",
+        "mqueue",
+        "null",
+        "ptmx",
+        "pts",
+        "random",
+        "shm",
+        "stderr",
+        "stdin",
+        "stdout",
+        "tty",
+        "urandom",
+        "zero",
+        "ptmx",
+        "ok",
+    ], names
+
+
+async def test_network_none_is_loopback_only(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node) as sid:
+        r = await sh(
+            rt_node,
+            sid,
+            "ls /sys/class/net; tail -n +3 /proc/net/dev | cut -d: -f1; "
+            "cat /sys/class/net/lo/flags",
+        )
+    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK).
+    assert r.stdout.decode().split() == ["lo", "lo", "0x9"]
+
+
+async def test_readonly_rootfs(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, readonly_rootfs=True, tmpfs={"/tmp": 1 << 20}) as sid:
+        r = await sh(rt_node, sid, "touch /x 2>&1; touch /tmp/y && echo tmp-ok")
+    out = r.stdout.decode()
+    assert "Read-only file system" in out and "tmp-ok" in out
+
+
+# ------------------------------------------------------------------ limits
+
+
+async def test_cgroup_limits_as_configured(rt_node) -> None:  # type: ignore[no-untyped-def]
+    cg = rt_node.cgroups
+    limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
+    async with sandbox(rt_node, limits=limits) as sid:
+        pid = rt_node.backends.get("container").init_pid(sid)
+        mem = cg.control_file("memory", sid, "memory.limit_in_bytes")
+        if cg.mode == "v2":
+            d = cg.control_file("", sid, "x").parent
+            assert (d / "memory.max").read_text().split() == [str(96 << 20)]
+            assert (d / "pids.max").read_text().split() == ["40"]
+            assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
+        else:
+            assert int(mem.read_text()) == 96 << 20
+            memsw = mem.with_name("memory.memsw.limit_in_bytes")
+            if memsw.exists():
+                assert int(memsw.read_text()) == 96 << 20  # no swap
+            assert cg.control_file("pids", sid, "pids.max").read_text().split() == ["40"]
+            quota = cg.control_file("cpu", sid, "cpu.cfs_quota_us").read_text().split()
+            assert quota == ["50000"]
+        # The init is in the sandbox's cgroup in every hierarchy it has one in.
+        assert pid in cg.procs(sid)
+        r = await sh(rt_node, sid, "cat /proc/self/cgroup")
+        assert all(ln.endswith(":/") for ln in r.stdout.decode().splitlines()), r
+
+
+async def test_pids_limit(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, limits=Limits(pids=16)) as sid:
+        r = await sh(
+            rt_node,
+            sid,
+            "n=0; for i in $(seq 40); do sleep 30 & n=$((n+1)); done 2>&1; "
+            "echo started; kill $(jobs -p) 2>/dev/null; true",
+            timeout=60,
+        )
+        assert "can't fork" in r.stdout.decode() + r.stderr.decode() or r.exit_code != 0, r
+        assert rt_node.cgroups.pids_current(sid) < 16
+
+
+async def test_memory_limit_oom(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, image=DEBIAN, limits=Limits(memory=64 << 20)) as sid:
+        r = await sh(rt_node, sid, "python3 -c 'b = bytearray(256 << 20); print(len(b))'")
+        assert r.exit_code != 0 and str(256 << 20) not in r.stdout.decode()
+        assert rt_node.cgroups.oom_kills(sid) >= 1
+        # The sandbox lives on.
+        assert (await sh(rt_node, sid, "echo alive")).stdout.decode().strip() == "alive"
+
+
+async def test_cpu_quota_throttles(rt_node) -> None:  # type: ignore[no-untyped-def]
+    cg = rt_node.cgroups
+    async with sandbox(rt_node, limits=Limits(cpus=0.1)) as sid:
+        await sh(rt_node, sid, "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done")
+        if cg.mode == "v2":
+            stat = cg.control_file("", sid, "cpu.stat").read_text()
+            key = "nr_throttled"
+        else:
+            stat = cg.control_file("cpu", sid, "cpu.stat").read_text()
+            key = "nr_throttled"
+        throttled = int(next(ln.split()[1] for ln in stat.splitlines() if ln.startswith(key)))
+        assert throttled > 0, stat
+
+
+async def test_disk_quota(rt_node) -> None:  # type: ignore[no-untyped-def]
+    async with sandbox(rt_node, limits=Limits(disk=16 << 20)) as sid:
+        r = await sh(rt_node, sid, "head -c 200000000 /dev/zero > /tmp/fill; echo rc=$?")
+    # The quota (EDQUOT) reaches busybox's head as a failed write ("I/O error").
+    err = r.stderr.lower()
+    assert b"rc=1" in r.stdout and (b"quota" in err or b"i/o error" in err), (r.stdout, err)
+
+
+# ------------------------------------------------------------------ launcher only
+
+
+async def test_seccomp_filter_is_cruns(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """crun's own compiled filter (kept by the backend for reuse) equals the launcher's."""
+    from corral.backends import oci
+    from corral.host.seccomp_bpf import compile_profile
+    from corral.policy.seccomp import shared_profile
+
+    async with open_node(backends=[ContainerConfig(runtime="crun")], **_dirs("lbpf")) as n:
+        async with sandbox(n):
+            pass
+        backend = n.backends.get("container")
+        cached = list(backend._seccomp_bpf.values())
+        assert len(cached) == 1
+        profile = shared_profile(oci._machine(), notify=n.security.notify_path)
+        assert base64.b64decode(cached[0]) == compile_profile(profile)
+
+
+FAULTS = [
+    "cgroups",
+    "clone",
+    "id maps",
+    "become root",
+    "mounts",
+    "cgns",
+    "cpu cgroups",
+    "capabilities",
+    "seccomp",
+    "seccomp listener",
+    "exec",
+]
+
+
+@pytest.mark.parametrize("step", FAULTS)
+async def test_crash_mid_launch_leaves_nothing_gc_cannot_remove(
+    images_ready, monkeypatch, step: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The launcher crashes at ``step`` and the node does no undo (as if it died too):
+    ``gc`` then removes everything, and nothing of the node is left after close."""
+    from corral.backends import container
+    from corral.host import launch
+
+    dirs = _dirs("lcr")
+    cfg = node_config(backends=[ContainerConfig(runtime="launch")], **dirs)
+    async with open_node(cfg) as n:
+
+        async def no_undo(undo: object) -> None:
+            return None
+
+        monkeypatch.setattr(container, "run_undo", no_undo)
+        monkeypatch.setenv(launch.FAULT_ENV, step)
+        with pytest.raises(Exception):
+            await n.sandbox_create(SandboxSpec(image=BUSYBOX))
+        monkeypatch.delenv(launch.FAULT_ENV)
+        monkeypatch.undo()
+        await n.gc(everything=True)
+        # gc is what cleans up: the node still works afterwards.
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo ok")).stdout == b"ok\n"
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
+async def test_restart_adopts_launched_sandbox(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """A node restarted with its sandboxes running finds the init by its record (pid and
+    start time), and destroy then kills by cgroup."""
+    from corral.node import Node
+
+    dirs = _dirs("lrs")
+    cfg = node_config(backends=[ContainerConfig(runtime="launch")], **dirs)
+    n = await Node.open(cfg)
+    try:
+        await n.gc(everything=True)
+        info = await n.sandbox_create(SandboxSpec(image=BUSYBOX))
+        pid = n.backends.get("container").init_pid(info.id)
+    finally:
+        await n.close()
+    n = await Node.open(cfg)
+    try:
+        backend = n.backends.get("container")
+        assert backend.init_pid(info.id) == pid
+        assert (await sh(n, info.id, "echo back")).stdout == b"back\n"
+        await n.sandbox_destroy(info.id)
+        assert not Path(f"/proc/{pid}").exists() or backend.init_pid(info.id) is None
+    finally:
+        for s in await n.sandbox_list():
+            await n.sandbox_destroy(s.id)
+        await n.close()
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["run_dir"], ignore_errors=True)
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
+def test_pid_record_checks_start_time(tmp_path: Path) -> None:
+    """A recorded pid whose process is gone (or reused: another start time) is no init."""
+    from corral.host.cgroups import Cgroups
+    from corral.host.launch import Launcher
+
+    ln = Launcher(Path("/bin/true"), tmp_path / "launch", Cgroups.__new__(Cgroups))
+    ln._record("sb-x", os.getpid())
+    assert ln.init_pid("sb-x") == os.getpid()
+    (tmp_path / "launch" / "sb-x").write_text(f"{os.getpid()} 1\n")
+    assert ln.init_pid("sb-x") is None
+    assert asyncio.run(ln.list()) == [{"id": "sb-x"}]
+    ln.forget_stopped("sb-x")
+    assert ln.init_pid("sb-x") is None
