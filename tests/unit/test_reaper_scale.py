@@ -133,3 +133,20 @@ async def test_death_watch_reports_an_exit_through_the_loop() -> None:
     finally:
         p.kill()
         w.close()
+
+
+def test_security_flush_visits_only_sandboxes_with_denials(tmp_path: Path) -> None:
+    from corral.node.security import SecurityLog
+    from corral.node.state import StateStore
+
+    st = StateStore(tmp_path / "s.db")
+    log = SecurityLog(st.add_event, window=0.0)
+    for i in range(500):
+        log.seen(f"sb-{i}", {"pids_limit": 0, "oom_kill": 0})  # every live sandbox
+    assert log._noisy == set()
+    log.record("sb-7", "seccomp", "bpf", {"syscall": "bpf"})
+    assert log._noisy == {"sb-7"}
+    assert log.flush() == 1
+    assert log.flush() == 0  # quiet for a window (0 here): its entry goes, and the mark
+    assert log._noisy == set()
+    st.close()
