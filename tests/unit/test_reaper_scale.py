@@ -150,3 +150,35 @@ def test_security_flush_visits_only_sandboxes_with_denials(tmp_path: Path) -> No
     assert log.flush() == 0  # quiet for a window (0 here): its entry goes, and the mark
     assert log._noisy == set()
     st.close()
+
+
+def test_masked_directories_become_binds_of_one_empty_dir(tmp_path: Path) -> None:
+    """No tmpfs superblock per masked directory (each would grow every memory cgroup of
+    the host); files and absent paths stay the runtime's."""
+    import os
+
+    from corral.backends import oci
+    from corral.policy.masks import MASKED_PATHS
+    from corral.spec import Limits
+
+    cfg = oci.build_config(
+        rootfs=Path("/srv/sb/rootfs"),
+        init_host_path=Path("/opt/init"),
+        hostname="h",
+        cgroups_path="/corral/x",
+        limits=Limits(),
+        mask_dir=tmp_path,
+    )
+    binds = {m["destination"]: m for m in cfg["mounts"] if m.get("source") == str(tmp_path)}
+    dirs = {p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p)}
+    assert set(binds) == dirs
+    assert all("ro" in m["options"] and m["type"] == "bind" for m in binds.values())
+    assert set(cfg["linux"]["maskedPaths"]) == set(MASKED_PATHS) - dirs
+    plain = oci.build_config(
+        rootfs=Path("/srv/sb/rootfs"),
+        init_host_path=Path("/opt/init"),
+        hostname="h",
+        cgroups_path="/corral/x",
+        limits=Limits(),
+    )
+    assert plain["linux"]["maskedPaths"] == list(MASKED_PATHS)

@@ -360,6 +360,7 @@ class ContainerBackend:
                 notify=self.ctx.seccomp_notify,
                 extra_mounts=[*self.ctx.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
                 readonly_root=spec.readonly_rootfs,
+                mask_dir=self.init_path.parent / initfs.EMPTY,
             )
             bpf_key = self._reuse_seccomp_bpf(config)
             if userns is not None and not oci.joins_userns(config):
