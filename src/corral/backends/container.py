@@ -481,6 +481,7 @@ class ContainerBackend:
             notify=self.ctx.seccomp_notify,
             extra_mounts=[*self.ctx.extra_mounts, *oci.tmpfs_mounts(spec.tmpfs)],
             readonly_root=spec.readonly_rootfs,
+            mask_dir=self.init_path.parent / initfs.EMPTY,
         )
 
     def _reuse_seccomp_bpf(self, config: dict[str, object]) -> str | None:

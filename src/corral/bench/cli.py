@@ -62,7 +62,7 @@ def density_cmd(opts: BenchOptions, count: Count = 200, concurrency: Concurrency
     return scenarios.density(opts, count, concurrency)
 
 
-density_cmds.register(app)  # pause, qos, share
+density_cmds.register(app)  # pause, qos, share, scale
 
 
 @scenario(app, "fork")

@@ -1,4 +1,4 @@
-"""The density benchmarks' commands: ``corral bench pause``, ``qos`` and ``share``.
+"""The density benchmarks' commands: ``corral bench pause``, ``qos``, ``share``, ``scale``.
 
 Registered on the bench app by :func:`register` (bench/cli.py calls it), with the same
 common options and JSON conventions as the other scenarios (corral.bench._commands).
@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from corral.bench._commands import Count, Scenario, scenario
+from corral.bench._commands import Concurrency, Count, Scenario, scenario
 from corral.bench.scenarios import BenchOptions
 from corral.spec import parse_bytes
 
@@ -63,3 +63,19 @@ def register(app: typer.Typer) -> None:
         from corral.bench import share
 
         return share.share(opts, count)
+
+    @scenario(app, "scale")
+    def scale_cmd(
+        opts: BenchOptions,
+        count: Count = 3200,
+        window: Annotated[
+            int, typer.Option("--window", min=1, help="Creates per window (one figure each).")
+        ] = 400,
+        concurrency: Concurrency = 8,
+    ) -> Scenario:
+        """Create COUNT sandboxes in windows of WINDOW, keeping them alive: create/s and
+        exec p50 per window (flat = O(1) per operation), then destroy/s of all and the
+        leftovers on the host."""
+        from corral.bench import scale
+
+        return scale.scale(opts, count, window, concurrency)

@@ -19,7 +19,7 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MemSample", "sample", "cgroup_usage", "rss_sum", "MIB"]
+__all__ = ["MemSample", "sample", "cgroup_usage", "rss_sum", "slabs", "slab_growth", "MIB"]
 
 MIB = 1 << 20
 _CGROUP = Path("/sys/fs/cgroup")
@@ -34,10 +34,19 @@ class MemSample:
     slab: int
     sunreclaim: int
     shmem: int
+    percpu: int = 0
+    kernel_stack: int = 0
+    page_tables: int = 0
 
     @property
     def used(self) -> int:
         return self.total - self.available
+
+    @property
+    def kernel(self) -> int:
+        """Kernel memory no reclaim frees: unreclaimable slab, per-cpu areas (a v1 memory
+        cgroup's statistics live there), kernel stacks, page tables."""
+        return self.sunreclaim + self.percpu + self.kernel_stack + self.page_tables
 
 
 def _meminfo(text: str) -> dict[str, int]:
@@ -59,6 +68,9 @@ def sample(text: str | None = None) -> MemSample:
         slab=m.get("Slab", 0),
         sunreclaim=m.get("SUnreclaim", 0),
         shmem=m.get("Shmem", 0),
+        percpu=m.get("Percpu", 0),
+        kernel_stack=m.get("KernelStack", 0),
+        page_tables=m.get("PageTables", 0),
     )
 
 
@@ -84,3 +96,34 @@ def rss_sum(pids: list[int]) -> int:
                     total += int(line.split()[1]) * 1024
                     break
     return total
+
+
+def slabs(text: str | None = None) -> dict[str, int]:
+    """Bytes in each slab cache (all objects of its slabs, active or not: what it pins), from
+    /proc/slabinfo (root only: {} otherwise)."""
+    if text is None:
+        try:
+            text = Path("/proc/slabinfo").read_text()
+        except OSError:
+            return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines()[2:]:
+        f = line.split()
+        # name active_objs num_objs objsize objperslab pagesperslab : tunables ... : slabdata
+        # active_slabs num_slabs sharedavail
+        try:
+            pages_per_slab, num_slabs = int(f[5]), int(f[-2])
+        except (IndexError, ValueError):
+            continue
+        out[f[0]] = out.get(f[0], 0) + num_slabs * pages_per_slab * 4096
+    return out
+
+
+def slab_growth(
+    before: dict[str, int], after: dict[str, int], per: int, top: int = 15
+) -> dict[str, float]:
+    """KiB per ``per`` (sandbox) by which each cache grew, the ``top`` biggest growers."""
+    n = max(per, 1)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    best = sorted((k for k, v in grew.items() if v > 0), key=lambda k: -grew[k])[:top]
+    return {k: round(grew[k] / n / 1024, 2) for k in best}

@@ -465,6 +465,7 @@ async def _corral_density(
         before, noise_before = await _mem_reading()
         cg_before = hostmem.cgroup_usage(opts.subtree)
         rss_before = hostmem.rss_sum([os.getpid()])
+        slabs_before = hostmem.slabs()
         sbs: list[Sandbox] = []
         try:
             say(f"corral: creating {count} idle sandboxes at concurrency {concurrency}")
@@ -479,6 +480,20 @@ async def _corral_density(
             infos = [await sb.refresh() for sb in sbs]
             res["alive"] = sum(1 for i in infos if i.state == "running" and _pid_alive(i.pid))
             res.update(_mem_figures(before, after, res["alive"], cg_before, cg_after))
+            # The kernel's part on its own: unreclaimable slab per sandbox, and the caches
+            # that grew most (which objects a sandbox costs: namespaces, cgroups, mounts).
+            alive = max(res["alive"], 1)
+            res["kernel_sunreclaim_per_sandbox_kib"] = round(
+                (after.sunreclaim - before.sunreclaim) / alive / 1024, 1
+            )
+            res["kernel_per_sandbox_kib"] = round((after.kernel - before.kernel) / alive / 1024, 1)
+            res["kernel_parts_per_sandbox_kib"] = {
+                k: round((getattr(after, k) - getattr(before, k)) / alive / 1024, 1)
+                for k in ("sunreclaim", "percpu", "kernel_stack", "page_tables")
+            }
+            res["slab_kib_per_sandbox_by_cache"] = hostmem.slab_growth(
+                slabs_before, hostmem.slabs(), res["alive"]
+            )
             res["host_noise_mib"] = round(max(noise_before, noise_after), 1)
             res["node_process_pss_delta_mib"] = round(
                 (hostmem.rss_sum([os.getpid()]) - rss_before) / hostmem.MIB, 1

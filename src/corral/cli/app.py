@@ -205,3 +205,7 @@ def _demo(
 def main() -> None:
     """Entry point of the ``corral`` console script."""
     app(prog_name="corral")
+
+
+if __name__ == "__main__":  # python -m corral.cli.app (what the bench docs use)
+    main()

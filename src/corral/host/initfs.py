@@ -25,9 +25,12 @@ from pathlib import Path
 from corral.errors import HostError
 from corral.host import _sys, mounts
 
-__all__ = ["NAME", "install", "remove"]
+__all__ = ["NAME", "EMPTY", "install", "remove"]
 
 NAME = "corral-init"
+EMPTY = "empty"
+"""An empty directory beside the init: bound read-only over masked directories
+(corral.backends.oci.masks_as_binds), its root in the guest's mountinfo reads ``/empty``."""
 _SLACK = 1 << 20
 
 
@@ -44,6 +47,9 @@ def install(mountpoint: Path, binary: Path) -> Path:
             data = f"size={size + _SLACK},mode=0755,nr_inodes=16"
             # Safe: a new, private tmpfs on corral's own (empty) directory.
             _sys.mount(NAME, mountpoint, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, data)
+        empty = mountpoint / EMPTY
+        empty.mkdir(mode=0o555, exist_ok=True)
+        os.chmod(empty, 0o555)
         if target.is_file() and _same(target, binary):
             return target
         tmp = mountpoint / f".{NAME}.tmp"

@@ -1,11 +1,16 @@
 """The node's periodic pass: TTLs, idle timeouts and idle pauses, dead sandboxes.
 
 Once per ``reaper_interval`` it writes the activity stamps gathered since the last pass,
-trims the event log, flushes coalesced security events, then looks at every live
-sandbox: past its TTL -> destroyed (a paused one too); idle past ``idle_pause`` -> paused
+trims the event log, flushes coalesced security events, then looks at the sandboxes that
+need it: past its TTL -> destroyed (a paused one too); idle past ``idle_pause`` -> paused
 in the background; idle past ``idle_timeout`` -> destroyed (a paused one is spared: pausing
 is how an idle sandbox is kept); an agent that died -> ``died`` event and destroyed. A
 sandbox with a request in flight is never taken.
+
+A pass costs O(due + died + SAMPLE), not O(live): deadlines come off a heap and deaths
+from pidfds in the event loop (corral.node.watch), both kept current by the table's
+change listener; a bounded round-robin sample of ``alive()`` checks covers deaths a pid
+does not show.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
 from corral.node.stats import Observer
 from corral.node.table import SandboxTable
+from corral.node.watch import SAMPLE, Deadlines, DeathWatch, next_deadline
+from corral.spec import SandboxInfo
 
 __all__ = ["Reaper"]
 
@@ -47,8 +54,21 @@ class Reaper:
         self.interval = interval
         self.event_retention = event_retention
         self._task: asyncio.Task[None] | None = None
+        self.deadlines = Deadlines()
+        self.deaths = DeathWatch()
+        table.listeners.append(self._changed)
+
+    def _changed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
+        if info is None:
+            self.deadlines.forget(sandbox_id)
+            self.deaths.forget(sandbox_id)
+            return
+        self.deadlines.arm(sandbox_id, next_deadline(info))
+        self.deaths.watch(sandbox_id, info.pid if info.state == "running" else None)
 
     def start(self) -> None:
+        for info in self.table.values():  # any added before the listener: once, at start
+            self._changed(info.id, info)
         self._task = asyncio.create_task(self._forever(), name="corral-reaper")
 
     async def stop(self) -> None:
@@ -59,6 +79,7 @@ class Reaper:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        self.deaths.close()
 
     async def _forever(self) -> None:
         while True:
@@ -74,20 +95,46 @@ class Reaper:
         self.observer.flush(trim=True)
         self.security.flush()
         now = time.time()
-        for sid in self.table.ids():
-            info = self.table.get(sid)  # as it is now: an earlier destroy here awaited
-            if info is not None and info.state == "paused":
-                if info.expires_at and now >= info.expires_at:
-                    await self.life.destroy(info, "ttl_expired")
-                continue  # idle_timeout spares a paused sandbox: pausing is how it is kept
-            if info is None or info.state != "running" or self.table.busy(sid):
-                continue
+        for sid in self.deadlines.due(now):
+            await self._deadline(sid, now)
+        for sid in {*self.deaths.reported(), *self.deaths.sample(SAMPLE)}:
+            await self._maybe_dead(sid)
+
+    async def _deadline(self, sid: str, now: float) -> None:
+        """``sid``'s deadline came: act, or arm the next one (activity moved it)."""
+        info = self.table.get(sid)  # as it is now: an earlier destroy here awaited
+        if info is None:
+            return
+        if info.state == "paused":
             if info.expires_at and now >= info.expires_at:
                 await self.life.destroy(info, "ttl_expired")
-            elif info.spec.idle_pause and now - info.last_active_at >= info.spec.idle_pause:
-                self.life.background(self.pauser.pause(sid), f"idle-pause-{sid}")
-            elif info.spec.idle_timeout and now - info.last_active_at >= info.spec.idle_timeout:
-                await self.life.destroy(info, "idle_timeout")
-            elif not self.life.backend_of(info).alive(info.id):
-                self.state.add_event(info.id, "died", {})
-                await self.life.destroy(info, "destroyed")
+            else:  # idle_timeout spares a paused sandbox: pausing is how it is kept
+                self.deadlines.arm(sid, next_deadline(info))
+            return
+        if info.state != "running" or self.table.busy(sid):
+            when = next_deadline(info)
+            if when is not None:
+                self.deadlines.arm(sid, max(when, now + self.interval))
+            return
+        if info.expires_at and now >= info.expires_at:
+            await self.life.destroy(info, "ttl_expired")
+        elif info.spec.idle_pause and now - info.last_active_at >= info.spec.idle_pause:
+            # Its state change (pausing, or back to running if the pause fails) re-arms it.
+            self.life.background(self.pauser.pause(sid), f"idle-pause-{sid}")
+        elif info.spec.idle_timeout and now - info.last_active_at >= info.spec.idle_timeout:
+            await self.life.destroy(info, "idle_timeout")
+        else:
+            self.deadlines.arm(sid, next_deadline(info))
+
+    async def _maybe_dead(self, sid: str) -> None:
+        """A pidfd said ``sid``'s process exited, or the sample picked it: ask its backend."""
+        info = self.table.get(sid)
+        if info is None:
+            self.deaths.settled(sid)
+            return
+        if info.state != "running" or self.table.busy(sid):
+            return  # a reported death stays reported: looked at again on a later pass
+        self.deaths.settled(sid)
+        if not self.life.backend_of(info).alive(info.id):
+            self.state.add_event(info.id, "died", {})
+            await self.life.destroy(info, "destroyed")

@@ -138,6 +138,9 @@ class SecurityLog:
         self.wake = wake
         self._lock = threading.Lock()
         self._sb: dict[str, _Sandbox] = {}
+        # Sandboxes with entries: a flush visits these, not every sandbox seen (each live
+        # one has counters), so the reaper's pass does not grow with the live count.
+        self._noisy: set[str] = set()
 
     def record(self, sandbox_id: str, kind: str, key: str, detail: Detail, n: int = 1) -> None:
         now = time.time()
@@ -153,6 +156,7 @@ class SecurityLog:
                     detail = {"note": "more distinct denials than the node tracks"}
                 if e is None:
                     e = sb.entries[k] = _Entry(detail=dict(detail), first=now)
+                    self._noisy.add(sandbox_id)
                     new = True
             if e.count == 0:
                 e.first = now
@@ -171,7 +175,7 @@ class SecurityLog:
         now = time.time()
         rows: list[tuple[str, str, Detail]] = []
         with self._lock:
-            sids = [sandbox_id] if sandbox_id is not None else list(self._sb)
+            sids = [sandbox_id] if sandbox_id is not None else list(self._noisy)
             for sid in sids:
                 sb = self._sb.get(sid)
                 if sb is None:
@@ -187,8 +191,11 @@ class SecurityLog:
                         e.written_at = now
                     elif not e.count and due:
                         del sb.entries[k]  # quiet for a window: the next one is news again
+                if not sb.entries:
+                    self._noisy.discard(sid)
                 if final:
                     del self._sb[sid]
+                    self._noisy.discard(sid)
         for sid, kind, d in rows:
             self._add(sid, kind, d)
         return len(rows)

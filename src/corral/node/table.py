@@ -21,13 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from corral.errors import Conflict, SandboxNotFound
 from corral.node.state import StateStore
 from corral.spec import SANDBOX_ID_RE, SandboxInfo, SandboxState
 
-__all__ = ["SandboxTable", "TRANSITIONS", "shown_id"]
+__all__ = ["SandboxTable", "TRANSITIONS", "shown_id", "Listener"]
+
+Listener = Callable[[str, SandboxInfo | None], None]
+"""Told of each change of a live sandbox: (id, its new record, or None once removed).
+How the reaper keeps its deadlines and death watches without scanning the table."""
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "creating": frozenset({"running", "destroying"}),
@@ -59,6 +63,11 @@ class SandboxTable:
         self._live: dict[str, SandboxInfo] = {}
         self._busy: dict[str, int] = {}
         self._touched: dict[str, float] = {}
+        self.listeners: list[Listener] = []
+
+    def _tell(self, sandbox_id: str, info: SandboxInfo | None) -> None:
+        for listener in self.listeners:
+            listener(sandbox_id, info)
 
     # ------------------------------------------------------------------ reading
     def get(self, sandbox_id: str) -> SandboxInfo | None:
@@ -112,6 +121,7 @@ class SandboxTable:
             raise Conflict(f"sandbox {info.id} is already on this node")
         self._live[info.id] = info
         self._state.put_sandbox(info)
+        self._tell(info.id, info)
 
     def set_state(self, sandbox_id: str, state: SandboxState, **update: object) -> SandboxInfo:
         """Move a live sandbox to ``state`` (with field ``update``s) and record it.
@@ -132,6 +142,7 @@ class SandboxTable:
         # Also "destroying": an agent killed mid-destroy leaves a record that the next
         # open does not adopt but finishes destroying (reported "lost").
         self._state.put_sandbox(info)
+        self._tell(sandbox_id, info)
         return info
 
     def update(self, sandbox_id: str, **fields: object) -> SandboxInfo:
@@ -143,6 +154,7 @@ class SandboxTable:
         self._live[sandbox_id] = info
         if info.state != "destroying":
             self._state.put_sandbox(info)
+        self._tell(sandbox_id, info)
         return info
 
     def remove(self, sandbox_id: str) -> None:
@@ -150,6 +162,7 @@ class SandboxTable:
         self._live.pop(sandbox_id, None)
         self._touched.pop(sandbox_id, None)
         self._state.mark_destroyed(sandbox_id)
+        self._tell(sandbox_id, None)
 
     # ------------------------------------------------------------------ marks
     @contextlib.contextmanager
