@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_init)
 """corral-init sessions (spawn with a stdin pipe + attach) and the shell protocol on top
 of them, driven straight through InitClient (no node): see tests/integration/
 test_shell_session.py for the same through a real node."""
