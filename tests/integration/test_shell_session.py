@@ -16,12 +16,24 @@ from tests.conftest import TAG
 from tests.integration.conftest import assert_no_leaks, node_config
 
 SMALL = {"memory": "256MiB", "disk": "128MiB"}
+_PROCS = 'for f in /proc/[0-9]*/cmdline; do tr "\\0" " " < "$f"; echo; done'
 
 
 async def _procs(sb: corral.Sandbox) -> bytes:
     """The command lines of every process of the sandbox, one a line."""
-    script = 'for f in /proc/[0-9]*/cmdline; do tr "\\0" " " < "$f"; echo; done'
-    return (await sb.exec(["sh", "-c", script])).stdout
+    return (await sb.exec(["sh", "-c", _PROCS])).stdout
+
+
+async def _settled(sb: corral.Sandbox, gone: bytes, shells: int) -> bytes:
+    """The process list once nothing matching ``gone`` and only ``shells`` session shells
+    are left (a SIGKILLed process takes a moment to go)."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        procs = await _procs(sb)
+        done = gone not in procs and procs.count(b"corral-shell") == shells
+        if done or asyncio.get_running_loop().time() > deadline:
+            return procs
+        await asyncio.sleep(0.05)
 
 
 async def test_state_survives_between_commands(client: corral.AsyncClient) -> None:
@@ -76,9 +88,10 @@ async def test_markers_stdin_and_output(client: corral.AsyncClient) -> None:
         assert (await sh.run("echo next")).stdout == b"next\n"
         r = await sh.run("cat; echo; wc -c", stdin=b"\x00bin\xffary\n")
         assert r.stdout == b"\x00bin\xffary\n\n0\n"
-        r = await sh.run("head -c 200000 /dev/zero")
-        assert r.reason == "output_limit" and r.stdout_truncated
-        assert len(r.stdout) == sb.info.spec.limits.output
+        limit = sb.info.spec.limits.output
+        r = await sh.run(f"head -c {limit + 100000} /dev/zero; echo not-reached >&2")
+        assert (r.reason, r.stdout_truncated, len(r.stdout)) == ("output_limit", True, limit)
+        assert r.stderr == b""
         assert (await sh.run("echo after-limit")).stdout == b"after-limit\n"
 
 
@@ -114,14 +127,14 @@ async def test_sessions_are_independent_and_close_leaves_nothing(
         assert r.stdout == b"[]\n/tmp\n"
         before = await _procs(sb)
         assert b"sleep 600" in before and before.count(b"corral-shell") == 2
-        assert [p for p in await sb.processes.list() if "corral-shell" in p.cmd] == []
+        assert [p for p in await sb.processes() if "corral-shell" in p.info.cmd] == []
         await a.close()
-        after = await _procs(sb)
+        after = await _settled(sb, b"sleep 600", 1)
         assert b"sleep 600" not in after and after.count(b"corral-shell") == 1
         with pytest.raises(corral.ProcessNotFound):
             await a.run("true")
         await b.close()
-        assert b"corral-shell" not in await _procs(sb)
+        assert b"corral-shell" not in await _settled(sb, b"corral-shell", 0)
 
 
 STATE = Path(f"/var/lib/corral-test{TAG}-shellrs")
@@ -132,25 +145,62 @@ SUBTREE = f"corral-test{TAG}-shellrs"
 async def test_session_survives_agent_restart(images_ready: None) -> None:
     cfg = node_config(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE)
     node = await Node.open(cfg)
+    info = None
     try:
+        for left in await node.sandbox_list():  # of an earlier run that crashed
+            await node.sandbox_destroy(left.id)
         spec = SandboxSpec(image="test/debian", limits=Limits(memory="256MiB", disk="128MiB"))
         info = await node.sandbox_create(spec)
         sh = await node.shell_open(info.id)
         await node.shell_run(info.id, sh.id, "plain=kept; cd /tmp; sleep 300 &")
         # output written while no node is attached waits, and is not taken for the next
         # command's
-        await node.shell_run(info.id, sh.id, "(sleep 0.2; echo late) &")
+        job = "until [ -e /tmp/go ]; do sleep 0.05; done; echo late; echo late >&2; : > /tmp/done"
+        await node.shell_run(info.id, sh.id, f"({job}) &")
+    except BaseException:
+        if info is not None:
+            await node.sandbox_destroy(info.id)
+        raise
     finally:
         await node.close()
     node = await Node.open(cfg)
     try:
-        r = await node.shell_run(info.id, sh.id, "echo $plain; pwd; jobs | grep -c Running")
-        assert (r.stdout, r.exit_code) == (b"kept\n/tmp\n1\n", 0), r
+        wait = "touch /tmp/go; until [ -e /tmp/done ]; do sleep 0.05; done"
+        await node.exec(info.id, ExecRequest(cmd=["sh", "-c", wait], timeout=60))
+        r = await node.shell_run(info.id, sh.id, "echo $plain; pwd; jobs -r | grep -c 'sleep 300'")
+        assert (r.stdout, r.stderr, r.exit_code) == (b"kept\n/tmp\n1\n", b"", 0), r
         await node.shell_close(info.id, sh.id)
-        script = 'for f in /proc/[0-9]*/cmdline; do tr "\\0" " " < "$f"; echo; done'
-        ps = await node.exec(info.id, ExecRequest(cmd=["sh", "-c", script]))
-        assert b"corral-shell" not in ps.stdout and b"sleep 300" not in ps.stdout
-        await node.sandbox_destroy(info.id)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            ps = await node.exec(info.id, ExecRequest(cmd=["sh", "-c", _PROCS]))
+            left = b"corral-shell" in ps.stdout or b"sleep 300" in ps.stdout
+            if not left or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert not left, ps.stdout
     finally:
+        await node.sandbox_destroy(info.id)
         await node.close()
     assert_no_leaks(STATE, RUN, SUBTREE)
+
+
+async def test_sh_session_where_the_image_has_no_bash(client: corral.AsyncClient) -> None:
+    async with await client.sandboxes.create(image="test/busybox", limits=SMALL) as sb:
+        sh = await sb.shell(cwd="/tmp")
+        await sh.run("x=1; f() { echo fn; }; cd /")
+        r = await sh.run("echo $x; f; pwd; printf tail")
+        assert (r.stdout, r.exit_code) == (b"1\nfn\n/\ntail", 0)
+        r = await sh.run("sleep 300", timeout=1)
+        assert (r.reason, r.signal) == ("timeout", 2)
+        assert (await sh.run("echo $x; cat", stdin=b"in")).stdout == b"1\nin"
+
+
+async def test_a_shell_that_ends_is_replaced_and_says_so(client: corral.AsyncClient) -> None:
+    async with await client.sandboxes.create(image="test/debian", limits=SMALL) as sb:
+        sh = await sb.shell(cwd="/tmp")
+        await sh.run("x=1; cd /")
+        r = await sh.run("echo bye; exec true")
+        assert r.stdout == b"bye\n" and b"continues in a new shell started in /tmp" in r.stderr
+        assert (await sh.run('echo "[$x]"; pwd')).stdout == b"[]\n/tmp\n"
+        with pytest.raises(corral.CorralError, match="/nonexistent"):
+            await sb.shell(cwd="/nonexistent")

@@ -244,6 +244,11 @@ class ShellSession:
         self._stream = self._pump = None
 
     @property
+    def over(self) -> bool:
+        """The shell ended or the attachment broke: nothing more will come."""
+        return self.ended is not None or self.broken is not None
+
+    @property
     def alive(self) -> bool:
         return self.ended is None and self.broken is None and self._stream is not None
 
@@ -260,6 +265,7 @@ class ShellSession:
             self.broken = str(e)
         finally:
             self._data.set()
+            await stream.__aexit__(None, None, None)  # no fd left behind by a dead session
 
     async def write(self, data: bytes) -> None:
         if self._stream is None:
@@ -331,6 +337,8 @@ class ShellSession:
                 break
             deadline = time.monotonic() + GRACE
         out, err = streams["stdout"], streams["stderr"]
+        if reason == "exited" and (out.truncated or err.truncated):
+            reason = "output_limit"  # it ended before we saw it was over: same answer
         given_up = None
         if self.ended is not None:
             given_up = "the shell itself ended"

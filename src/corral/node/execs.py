@@ -299,6 +299,9 @@ class Execs:
             raise InvalidRequest(validation_message(e)) from None
         shell_id = "sh-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
         start = req.cwd or info.spec.workdir
+        for k, old in list(self._shells.items()):  # of sandboxes that went away
+            if old.over:
+                del self._shells[k]
         sess = await self._start_shell(info, shell_id, start, req.env)
         self._shells[shell_id] = sess
         created = self.state.put_shell(shell_id, sandbox_id, start, req.env)
@@ -328,8 +331,8 @@ class Execs:
         if gone is not None or r.code != 0:
             await self._drop_shell(info, sess)
             raise SandboxError(
-                f"sandbox {info.id}: could not start a shell session in {cwd}: "
-                f"{r.stderr.decode(errors='replace')[:500] or gone}"
+                f"sandbox {info.id}: could not start a shell session in {cwd} (is it an "
+                f"existing directory?): {r.stderr.decode(errors='replace')[:500] or gone}"
             )
         return sess
 
