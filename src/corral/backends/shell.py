@@ -186,6 +186,12 @@ class _Stream:
                     del buf[: len(buf) - keep]
         return self.phase == 2
 
+    def flush(self, buf: bytearray) -> None:
+        """No end marker will come: what is held back (in case it began one) is output."""
+        if self.phase == 1:
+            self._take(buf)
+            buf.clear()
+
     def _take(self, data: bytes | bytearray) -> None:
         assert self.kept is not None
         self.total += len(data)
@@ -337,6 +343,8 @@ class ShellSession:
                 break
             deadline = time.monotonic() + GRACE
         out, err = streams["stdout"], streams["stderr"]
+        for name, st in streams.items():
+            st.flush(self._bufs[name])
         if reason == "exited" and (out.truncated or err.truncated):
             reason = "output_limit"  # it ended before we saw it was over: same answer
         given_up = None
