@@ -226,6 +226,7 @@ class ShellSession:
         self._lock = asyncio.Lock()
         self._running = False
         self._sigint = False
+        self._started = asyncio.Event()
         self.ended: InitExit | None = None
         """How the shell itself ended (it exited, was killed): the session is over."""
         self.broken: str | None = None
@@ -280,7 +281,18 @@ class ShellSession:
 
     async def interrupt(self) -> None:
         """SIGINT to the shell's process group: the running command stops, the shell
-        abandons the line and reports the status (130 for a command killed by it)."""
+        abandons the line and reports the status (130 for a command killed by it).
+
+        Not before the command has started (its start marker came): a SIGINT while the
+        shell is still reading the command's line would make it drop half a line. A
+        command that does not start within GRACE seconds gets the signal anyway."""
+        if self._running and not self._started.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(GRACE):
+                    await self._started.wait()
+        await self._sigint_now()
+
+    async def _sigint_now(self) -> None:
         if self._stream is not None and self.ended is None:
             self._sigint = True
             await self._stream.signal(2)
@@ -308,12 +320,16 @@ class ShellSession:
         }
         t0 = time.monotonic()
         self._sigint = False
+        self._started.clear()
         await self.write(command_text(nonce, command, stdin_path))
         reason, signal = "exited", None
         deadline = None if timeout is None else t0 + timeout
         steps = 0  # 1: SIGINT sent, 2: children SIGKILLed, 3: given up
+        late = False
         while True:
             done = [s.feed(self._bufs[n]) for n, s in streams.items()]
+            if streams["stdout"].phase > 0:
+                self._started.set()
             if all(done):
                 break
             if not self.alive:
@@ -321,7 +337,7 @@ class ShellSession:
             if reason == "exited" and any(s.truncated for s in streams.values()):
                 reason = "output_limit"
                 steps, deadline = 1, time.monotonic() + GRACE
-                await self.interrupt()
+                await self._sigint_now()
             self._data.clear()
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -330,12 +346,16 @@ class ShellSession:
                 continue
             except TimeoutError:
                 pass
+            if steps == 0 and not self._started.is_set() and not late:
+                late = True  # not even started (the shell is still busy): a little more
+                deadline = time.monotonic() + GRACE
+                continue
             if reason == "exited":
                 reason = "timeout"
             steps += 1
             if steps == 1:
                 signal = 2
-                await self.interrupt()
+                await self._sigint_now()
             elif steps == 2:
                 signal = 9
                 await self._kill_children(self.pid)
@@ -361,7 +381,8 @@ class ShellSession:
             status = out.status
         if reason == "output_limit":
             signal = 2
-        if err.kept and (err.aborted or self._sigint) and err.kept.endswith(b"\n"):
+        abandoned = err.aborted or (self._sigint and out.status == 130)
+        if err.kept and abandoned and err.kept.endswith(b"\n"):
             # an interactive bash writes a newline to stderr when SIGINT (its own, for
             # set -e and exit, or ours) abandons a line: it is not the command's output
             del err.kept[-1:]
