@@ -201,5 +201,10 @@ async def test_a_shell_that_ends_is_replaced_and_says_so(client: corral.AsyncCli
         r = await sh.run("echo bye; exec true")
         assert r.stdout == b"bye\n" and b"continues in a new shell started in /tmp" in r.stderr
         assert (await sh.run('echo "[$x]"; pwd')).stdout == b"[]\n/tmp\n"
+        # a shell that ignores SIGINT in a loop of builtins cannot be got back: replaced
+        r = await sh.run("y=1; trap '' INT; echo spin; while :; do :; done", timeout=1)
+        assert (r.reason, r.stdout) == ("timeout", b"spin\n")
+        assert b"continues in a new shell" in r.stderr
+        assert (await sh.run('echo "[$y]"')).stdout == b"[]\n"
         with pytest.raises(corral.CorralError, match="/nonexistent"):
             await sb.shell(cwd="/nonexistent")
