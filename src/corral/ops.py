@@ -199,6 +199,9 @@ class SandboxOps(Protocol):
         stdin: bytes | None = None,
     ) -> ExecResult: ...
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None: ...
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        """SIGINT to the session's running command (like Ctrl-C); the shell stays."""
+        ...
 
     # files
     async def file_read(

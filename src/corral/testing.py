@@ -566,6 +566,10 @@ class FakeNode(NodeOps):
         )
         return self._ended(sandbox_id, result)
 
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        if shell_id not in self._sb(sandbox_id).shells:
+            raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")
+
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         if self._sb(sandbox_id).shells.pop(shell_id, None) is None:
             raise ProcessNotFound(f"shell {shell_id!r} is not open in sandbox {sandbox_id}")

@@ -262,8 +262,11 @@ class FakeAgent:
         gid: int = 0,
         groups: Iterable[int] = (),
         output_limit: int = 1 << 20,
+        stdin_pipe: bool = False,
     ) -> tuple[str, int]:
         self._check()
+        if stdin_pipe:
+            raise SandboxError("fake sandbox: no shell sessions (spawn with stdin_pipe)")
         argv = list(argv)
         p = await asyncio.create_subprocess_exec(
             *argv,
@@ -309,6 +312,16 @@ class FakeAgent:
 
     async def list(self) -> list[InitProc]:
         return [await self.wait(i, 0.001) for i in list(self._procs)]
+
+    def attach(self, proc_id: str) -> ExecStream:
+        raise SandboxError("fake sandbox: no shell sessions to attach to")
+
+    async def forget(self, proc_id: str) -> None:
+        pr = self._procs.pop(proc_id, None)
+        if pr is None:
+            raise ProcessNotFound(f"no background process {proc_id!r}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pr.proc.pid, 9)
 
     async def close(self) -> None:
         for pr in self._procs.values():

@@ -516,6 +516,11 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         )
         return _json(result)
 
+    @r.post(sb + "/shells/{shell_id}/interrupt", status_code=204, tags=["shells"])
+    async def shell_interrupt(sandbox_id: str, shell_id: str) -> Response:
+        await ops.shell_interrupt(sandbox_id, shell_id)
+        return Response(status_code=204)
+
     @r.delete(sb + "/shells/{shell_id}", status_code=204, tags=["shells"])
     async def shell_close(sandbox_id: str, shell_id: str) -> Response:
         await ops.shell_close(sandbox_id, shell_id)

@@ -219,7 +219,7 @@ def _exit_from(f: dict[int, bytes], stdout: bytes, stderr: bytes, pid: int) -> I
 def _error(body: bytes, op: str, path: str) -> Exception:
     f, _ = _decode(body)
     msg = f.get(MESSAGE, b"").decode(errors="replace") or "no message"
-    if _int(f, CODE) == errno.ESRCH and op in ("wait", "kill", "forget"):
+    if _int(f, CODE) == errno.ESRCH and op in ("wait", "kill", "forget", "attach"):
         return ProcessNotFound(msg)
     return SandboxError(f"init at {path} refused {op}: {msg}")
 
@@ -474,17 +474,31 @@ class InitClient:
         gid: int = 0,
         groups: Iterable[int] = (),
         output_limit: int = 1 << 20,
+        stdin_pipe: bool = False,
     ) -> tuple[str, int]:
         """Start a background process; returns its (id, pid).
 
-        The init keeps the first ``output_limit`` bytes of each stream for ``wait``.
+        The init keeps the first ``output_limit`` bytes of each stream for ``wait``. With
+        ``stdin_pipe`` it is a *session*: its stdin is a pipe that :meth:`attach` writes
+        to, and its output goes to the attached client (buffered up to ``output_limit``
+        per stream while none is attached).
         """
         payload = _start_payload(
-            "spawn", argv, env, cwd, uid, gid, groups, None, output_limit, False
+            "spawn", argv, env, cwd, uid, gid, groups, None, output_limit, stdin_pipe
         )
         frames = await self._call("spawn", payload, guard=_GUARD)
         f, _ = _decode(frames[-1][1])
         return f.get(ID, b"").decode(), _int(f, PID) or 0
+
+    def attach(self, proc_id: str) -> ExecStream:
+        """Attach to a session (a spawn with ``stdin_pipe``): an :class:`ExecStream` that
+        yields first what the session wrote while no client was attached, then its live
+        output; ``write`` feeds its stdin and ``signal`` its process group. Leaving the
+        block only detaches (the session keeps running); a later attach (after a node
+        restart, say) takes over, and the earlier client's iteration ends with an error.
+        Raises ProcessNotFound (on entering) for an unknown id."""
+        request = _frame(_Q, _field(OP, "attach") + _field(ID, proc_id))
+        return ExecStream(self, request, keep_output=False, op="attach")
 
     async def wait(self, proc_id: str, timeout: float | None = 0) -> InitProc:
         """State and buffered output of a background process.
@@ -543,8 +557,11 @@ class ExecStream:
     process group. ``result.stdout``/``stderr`` hold everything that was yielded.
     """
 
-    def __init__(self, client: InitClient, request: bytes, keep_output: bool = True) -> None:
+    def __init__(
+        self, client: InitClient, request: bytes, keep_output: bool = True, op: str = "exec"
+    ) -> None:
         self._client = client
+        self._op = op
         self._request = request
         self._keep = keep_output
         self._conn: _Conn | None = None
@@ -555,12 +572,13 @@ class ExecStream:
         """The pid of the process inside the sandbox, known once the block is entered."""
 
     async def __aenter__(self) -> ExecStream:
-        c = await self._client._connect("exec")
+        c = await self._client._connect(self._op)
         self._conn = c
         try:
             c.send(self._request)
             t, body = await c.first_frame(self._client.start_timeout)
-            if t != _S:
+            # attach to a session that already ended: its entry, output and exit follow
+            if t != _S and not (t == _P and self._op == "attach"):
                 raise c.unexpected(t)
             self.pid = _int(_decode(body)[0], PID) or 0
         except BaseException:

@@ -451,6 +451,9 @@ class FleetClient(NodeOps):
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         await self._route(sandbox_id).shell_close(sandbox_id, shell_id)
 
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        await self._route(sandbox_id).shell_interrupt(sandbox_id, shell_id)
+
     async def file_read(
         self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None
     ) -> bytes:

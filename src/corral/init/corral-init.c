@@ -62,7 +62,7 @@ enum {
 /* child setup stages, reported over the CLOEXEC pipe when one fails */
 enum { ST_STDIO = 1, ST_TTY, ST_GROUPS, ST_GID, ST_UID, ST_CWD, ST_EXEC };
 
-enum { C_REQ, C_EXEC, C_WAIT, C_CLOSING };
+enum { C_REQ, C_EXEC, C_WAIT, C_CLOSING, C_ATTACH };
 enum { RS_NONE, RS_TIMEOUT, RS_LIMIT };
 enum { K_LISTEN, K_SIG, K_CONN, K_OUT, K_ERR, K_CTL, K_IN };
 
@@ -198,13 +198,15 @@ typedef struct conn {
 	struct conn *next;
 	int fd, state, dead;
 	buf in, out;
-	struct proc *proc;      /* the exec it runs, or the background process it waits for */
+	struct proc *proc;      /* the exec it runs, the background process it waits for, or
+	                         * the session it is attached to */
 	uint64_t wait_deadline; /* 0: wait until the process ends */
 } conn;
 
 typedef struct proc {
 	struct proc *next;
 	int bg, dead, tty, reaped, ended, status, reason;
+	int sess;     /* a background process with a stdin pipe that clients attach to */
 	char id[24];
 	pid_t pid;
 	int fd_out, fd_err, fd_in, fd_ctl; /* our ends; fd_out is the pty master with TTY */
@@ -212,7 +214,7 @@ typedef struct proc {
 	uint64_t t_start, t_exit, deadline;
 	uint64_t limit, out_len, err_len, out_kept, err_kept;
 	int out_trunc, err_trunc;
-	conn *c;      /* exec: the connection that gets the output */
+	conn *c;      /* exec: the connection that gets the output; session: the attached one */
 	buf ob, eb;   /* background: the first `limit` bytes of each stream */
 	buf ib;       /* exec: stdin not yet written */
 	int in_eof;   /* the client closed stdin; close ours once ib is written */
@@ -286,6 +288,8 @@ static void conn_lost(conn *c)
 		proc_close_fds(p);
 		p->c = NULL;
 		p->dead = 1; /* the reaper will find no owner for its pid, which is fine */
+	} else if (c->state == C_ATTACH && c->proc) {
+		c->proc->c = NULL; /* a session only loses its client: it keeps running */
 	}
 	c->proc = NULL;
 	xclose(&c->fd);
@@ -351,6 +355,8 @@ static void conn_error(conn *c, int code, const char *fmt, ...)
 		proc_close_fds(p);
 		p->c = NULL;
 		p->dead = 1;
+	} else if (c->state == C_ATTACH && c->proc) {
+		c->proc->c = NULL;
 	}
 	size_t m = fr_begin(&c->out, 'R');
 	fr_str(&c->out, T_MESSAGE, msg);
@@ -438,6 +444,12 @@ static void deliver(proc *p, int stream, const char *d, size_t n)
 	size_t take = n < room ? n : (size_t)room;
 
 	*(stream ? &p->err_len : &p->out_len) += n;
+	if (p->sess && p->c) {
+		/* an attached session streams everything; backpressure instead of a limit */
+		fr_data(&p->c->out, stream ? 'E' : 'O', d, n);
+		conn_flush(p->c);
+		return;
+	}
 	if (p->bg) {
 		buf *b = stream ? &p->eb : &p->ob;
 		if (take) {
@@ -553,6 +565,12 @@ static void proc_finish(proc *p)
 		p->c = NULL;
 		p->dead = 1;
 		return;
+	}
+	if (p->sess && p->c && !p->c->dead) {
+		conn *c = p->c;
+		put_exit(&c->out, p);
+		p->c = NULL;
+		conn_finish(c);
 	}
 	for (conn *c = conns; c; c = c->next)
 		if (!c->dead && c->state == C_WAIT && c->proc == p)
@@ -962,8 +980,8 @@ static void op_start(conn *c, req *r, int bg)
 			   MAX_GROUPS);
 		return;
 	}
-	if (bg && (want_in || tty)) {
-		conn_error(c, EINVAL, "spawn does not support STDIN or TTY");
+	if (bg && tty) {
+		conn_error(c, EINVAL, "spawn does not support TTY");
 		return;
 	}
 
@@ -1026,6 +1044,7 @@ static void op_start(conn *c, req *r, int bg)
 	xclose(&errp[1]);
 	xclose(&inp[0]);
 	p->bg = bg;
+	p->sess = bg && want_in;
 	p->tty = tty;
 	p->pid = pid;
 	p->t_start = t0;
@@ -1129,6 +1148,9 @@ static void op_signal(conn *c, req *r, int forget)
 		if (!p->ended)
 			killgrp(p, SIGKILL);
 		proc_close_fds(p);
+		if (p->c && !p->c->dead)
+			conn_error(p->c, ESRCH, "session %s was forgotten", p->id);
+		p->c = NULL;
 		p->dead = 1;
 		for (conn *w = conns; w; w = w->next)
 			if (!w->dead && w->state == C_WAIT && w->proc == p)
@@ -1142,6 +1164,42 @@ static void op_signal(conn *c, req *r, int forget)
 	conn_finish(c);
 }
 
+/* Attach to a session (a spawn with STDIN): `S`, the output buffered while no client was
+ * attached, then the live output; I and K frames reach it as for an exec. Closing the
+ * connection only detaches; a newer attach replaces the older client. */
+static void op_attach(conn *c, req *r)
+{
+	proc *p = find_bg(&r->id);
+	if (!p) {
+		conn_error(c, ESRCH, "no background process %.*s", (int)r->id.n, r->id.p);
+		return;
+	}
+	if (!p->sess) {
+		conn_error(c, EINVAL, "background process %s has no stdin to attach to", p->id);
+		return;
+	}
+	c->proc = p;
+	if (p->ended) {
+		wait_reply(c);
+		return;
+	}
+	if (p->c && !p->c->dead)
+		conn_error(p->c, EBUSY, "another client attached to session %s", p->id);
+	size_t m = fr_begin(&c->out, 'S');
+	fr_num(&c->out, T_PID, p->pid);
+	fr_str(&c->out, T_ID, p->id);
+	fr_end(&c->out, m);
+	put_buffer(&c->out, 'O', &p->ob);
+	put_buffer(&c->out, 'E', &p->eb);
+	buf_free(&p->ob);
+	buf_free(&p->eb);
+	p->out_kept = p->err_kept = 0;
+	p->out_trunc = p->err_trunc = 0;
+	p->c = c;
+	c->state = C_ATTACH;
+	conn_flush(c);
+}
+
 static void handle_request(conn *c, const char *payload, size_t n)
 {
 	req r;
@@ -1153,6 +1211,8 @@ static void handle_request(conn *c, const char *payload, size_t n)
 		op_start(c, &r, fv_is(&r.op, "spawn"));
 	} else if (fv_is(&r.op, "wait")) {
 		op_wait(c, &r);
+	} else if (fv_is(&r.op, "attach")) {
+		op_attach(c, &r);
 	} else if (fv_is(&r.op, "kill")) {
 		op_signal(c, &r, 0);
 	} else if (fv_is(&r.op, "forget")) {
@@ -1220,7 +1280,7 @@ static void exec_frame(conn *c, char type, const char *payload, size_t n)
 
 static void conn_parse(conn *c)
 {
-	while (!c->dead && (c->state == C_REQ || c->state == C_EXEC)) {
+	while (!c->dead && (c->state == C_REQ || c->state == C_EXEC || c->state == C_ATTACH)) {
 		size_t avail = buf_avail(&c->in);
 		if (avail < 5)
 			break;
@@ -1442,7 +1502,8 @@ static void loop(void)
 			if (c->state == C_REQ)
 				ev |= POLLIN;
 			/* stdin backpressure: do not read more while the child is not reading */
-			if (c->state == C_EXEC && (!c->proc || buf_avail(&c->proc->ib) < HIGH_WATER))
+			if ((c->state == C_EXEC || c->state == C_ATTACH) &&
+			    (!c->proc || buf_avail(&c->proc->ib) < HIGH_WATER))
 				ev |= POLLIN;
 			/* events 0 still reports POLLHUP: a waiting client that leaves is noticed */
 			add_pfd(&n, c->fd, ev, K_CONN, c);

@@ -11,6 +11,7 @@ told apart from any other SIGKILL by the cgroup's OOM counter).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +63,8 @@ class Execs:
         self.state = state
         self.security = security
         self.id_count = id_count
+        self._shells: dict[str, shellmod.ShellSession] = {}
+        """Attached shell sessions by shell id (rebuilt on demand after a restart)."""
 
     # ------------------------------------------------------------------ helpers
     def _agent(self, info: SandboxInfo) -> Agent:
@@ -277,12 +280,18 @@ class Execs:
         info = self.life.active(sandbox_id)
         async with self.life.agent_errors(sandbox_id, "process list"):
             procs = await self._agent(info).list()
-        return [ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running) for p in procs]
+        return [
+            ProcessInfo(id=p.id, pid=p.pid, cmd=p.argv, running=p.running)
+            for p in procs
+            if p.argv[-2:-1] != [shellmod.MARK]  # shell sessions have their own API
+        ]
 
     # ------------------------------------------------------------------ shells
     async def shell_open(
         self, sandbox_id: str, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> ShellInfo:
+        """Start the session's shell in the sandbox (see corral.backends.shell) and check
+        that it answers."""
         info = self.life.active(sandbox_id)
         try:
             req = ExecRequest(cmd=["true"], cwd=cwd, env=env or {})  # validates cwd and env
@@ -290,16 +299,89 @@ class Execs:
             raise InvalidRequest(validation_message(e)) from None
         shell_id = "sh-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
         start = req.cwd or info.spec.workdir
-        r = await self.exec(
-            sandbox_id, ExecRequest(cmd=shellmod.init_argv(shell_id, start), timeout=30)
-        )
-        if not r.ok:
-            raise SandboxError(
-                f"sandbox {sandbox_id}: could not start a shell session (needs bash in the "
-                f"image): {r.stderr.decode(errors='replace')[:500]}"
-            )
+        for k, old in list(self._shells.items()):  # of sandboxes that went away
+            if old.over:
+                del self._shells[k]
+        sess = await self._start_shell(info, shell_id, start, req.env)
+        self._shells[shell_id] = sess
         created = self.state.put_shell(shell_id, sandbox_id, start, req.env)
         return ShellInfo(id=shell_id, cwd=start, created_at=created)
+
+    async def _start_shell(
+        self, info: SandboxInfo, shell_id: str, cwd: str, env: dict[str, str]
+    ) -> shellmod.ShellSession:
+        bash = "bash" in (await self._default_shell(info))[0]
+        p = self._prepare(info, ExecRequest(cmd=["sh"], env=env, cwd=cwd))
+        p.pop("timeout")
+        agent = self._agent(info)
+        async with self.life.agent_errors(info.id, "the shell session"):
+            proc_id, pid = await agent.spawn(
+                shellmod.shell_argv(shell_id, bash),
+                stdin_pipe=True,
+                **p,  # type: ignore[arg-type]
+            )
+            sess = self._session(info, proc_id, pid)
+            try:
+                await sess.open()
+                await sess.write(shellmod.prologue(bash))
+                r, gone = await sess.run("true", 30, 4096, None)
+            except BaseException:
+                await self._drop_shell(info, sess)
+                raise
+        if gone is not None or r.code != 0:
+            await self._drop_shell(info, sess)
+            raise SandboxError(
+                f"sandbox {info.id}: could not start a shell session in {cwd} (is it an "
+                f"existing directory?): {r.stderr.decode(errors='replace')[:500] or gone}"
+            )
+        return sess
+
+    def _session(self, info: SandboxInfo, proc_id: str, pid: int) -> shellmod.ShellSession:
+        agent = self._agent(info)
+
+        async def kill_children(shell_pid: int) -> None:
+            # the command ignored SIGINT: SIGKILL whatever the shell runs (its jobs
+            # included), depth first, never the shell itself
+            script = (
+                "k() { for c in $(cat /proc/$1/task/*/children 2>/dev/null); do "
+                'k "$c"; kill -9 "$c" 2>/dev/null; done; }; k "$0"'
+            )
+            with contextlib.suppress(CorralError):
+                await agent.exec(
+                    ["sh", "-c", script, str(shell_pid)],
+                    env={"PATH": DEFAULT_PATH},
+                    timeout=30,
+                )
+
+        return shellmod.ShellSession(proc_id, pid, lambda: agent.attach(proc_id), kill_children)
+
+    async def _drop_shell(self, info: SandboxInfo, sess: shellmod.ShellSession) -> None:
+        """Detach and end a session's shell (its whole process group)."""
+        await sess.close()
+        with contextlib.suppress(CorralError):
+            await self._agent(info).forget(sess.proc_id)
+
+    async def _live_shell(self, info: SandboxInfo, shell_id: str) -> shellmod.ShellSession:
+        """The attached session; after a node restart, attach again to the shell that
+        kept running in the sandbox (found by its argv)."""
+        sess = self._shells.get(shell_id)
+        if sess is not None and sess.alive:
+            return sess
+        if sess is not None:
+            await sess.close()
+            del self._shells[shell_id]
+        async with self.life.agent_errors(info.id, "the shell session"):
+            for p in await self._agent(info).list():
+                if p.running and p.argv[-2:] == [shellmod.MARK, shell_id]:
+                    sess = self._session(info, p.id, p.pid)
+                    await sess.open()
+                    self._shells[shell_id] = sess
+                    return sess
+        self.state.delete_shell(shell_id)
+        raise ProcessNotFound(
+            f"shell session {shell_id!r} in sandbox {info.id}: its shell is gone (the "
+            "sandbox restarted or the shell was killed); open a new session"
+        )
 
     async def shell_run(
         self,
@@ -314,18 +396,73 @@ class Execs:
             raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
         if "\0" in command:
             raise InvalidRequest("command: cannot contain NUL bytes")
-        return await self.exec(
-            sandbox_id,
-            ExecRequest(
-                cmd=shellmod.shell_argv(shell_id, command),
-                env=row[2],
-                timeout=timeout,
-                stdin=stdin,
-            ),
-        )
+        if timeout is not None:
+            try:
+                ExecRequest(cmd=["true"], timeout=timeout)
+            except ValidationError as e:
+                raise InvalidRequest(validation_message(e)) from None
+        info = self.life.active(sandbox_id)
+        sess = await self._live_shell(info, shell_id)
+        files = self.life.backend_of(info).files(info.id)
+        stdin_path = None
+        if stdin is not None:
+            stdin_path = f"{shellmod.STATE_DIR}/{shell_id}.stdin"
+            await asyncio.to_thread(files.mkdir, shellmod.STATE_DIR)
+            await asyncio.to_thread(files.write, stdin_path, stdin, 0o600)
+        before = self._oom_kills(info)
+        try:
+            with self.table.working(sandbox_id):
+                async with self.life.agent_errors(sandbox_id, "the shell command"):
+                    r, gone = await sess.run(command, timeout, info.spec.limits.output, stdin_path)
+        finally:
+            if stdin_path is not None:
+                with contextlib.suppress(CorralError):
+                    await asyncio.to_thread(files.remove, stdin_path)
+        if gone is not None:
+            # the session goes on in a new shell, and the result says so
+            await self._drop_shell(info, sess)
+            self._shells.pop(shell_id, None)
+            self._shells[shell_id] = await self._start_shell(info, shell_id, row[1], row[2])
+            note = (
+                f"\ncorral: {gone}; the session continues in a new shell started in "
+                f"{row[1]} (variables, functions, jobs and the working directory are lost)\n"
+            )
+            r.stderr += note.encode()
+        return self._to_result(info, r, before)
 
-    def shell_forget(self, sandbox_id: str, shell_id: str) -> None:
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        """SIGINT to the running command of a session (the shell stays)."""
+        row = self.state.get_shell(shell_id)
+        if row is None or row[0] != sandbox_id:
+            raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
+        info = self.life.active(sandbox_id)
+        sess = await self._live_shell(info, shell_id)
+        async with self.life.agent_errors(sandbox_id, "the shell interrupt"):
+            await sess.interrupt()
+
+    async def detach_shells(self) -> None:
+        """On node close: let go of every session; the shells keep running in their
+        sandboxes and the next node attaches again on their next command."""
+        sessions, self._shells = list(self._shells.values()), {}
+        for sess in sessions:
+            await sess.close()
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        """End the session: its shell and everything it started (one process group)."""
         row = self.state.get_shell(shell_id)
         if row is None or row[0] != sandbox_id:
             raise ProcessNotFound(f"no shell session {shell_id!r} in sandbox {sandbox_id}")
         self.state.delete_shell(shell_id)
+        sess = self._shells.pop(shell_id, None)
+        info = self.table.get(sandbox_id)
+        if info is None or info.state != "running":  # its shells end with the sandbox
+            if sess is not None:
+                await sess.close()
+            return
+        if sess is None:
+            with contextlib.suppress(CorralError):
+                for p in await self._agent(info).list():
+                    if p.argv[-2:] == [shellmod.MARK, shell_id]:
+                        sess = self._session(info, p.id, p.pid)
+        if sess is not None:
+            await self._drop_shell(info, sess)

@@ -36,7 +36,6 @@ from pydantic import ValidationError
 
 from corral.backends.base import Backend, HostContext
 from corral.backends.initclient import InitExit
-from corral.backends.shell import STATE_DIR as SHELL_STATE_DIR
 from corral.errors import Conflict, CorralError, InvalidRequest
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
@@ -207,6 +206,7 @@ class Node:
             return
         self.life.closed = True
         await self.fncall.close()
+        await self.execs.detach_shells()
         await self.reaper.stop()
         await self.pauser.close()
         try:
@@ -427,12 +427,10 @@ class Node:
         return await self.execs.shell_run(sandbox_id, shell_id, command, timeout, stdin)
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
-        self.execs.shell_forget(sandbox_id, shell_id)
-        info = self.table.get(sandbox_id)
-        if info is not None:
-            with contextlib.suppress(CorralError):
-                files = self.backends.of(info).files(sandbox_id)
-                await asyncio.to_thread(files.remove, f"{SHELL_STATE_DIR}/{shell_id}")
+        await self.execs.shell_close(sandbox_id, shell_id)
+
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        await self.execs.shell_interrupt(sandbox_id, shell_id)
 
     # ------------------------------------------------------------------ files
     async def file_read(

@@ -362,6 +362,10 @@ class HTTPOps(NodeOps):
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         await self._call("DELETE", self._sb(sandbox_id, f"/shells/{quote(shell_id, safe='')}"))
 
+    async def shell_interrupt(self, sandbox_id: str, shell_id: str) -> None:
+        path = f"/shells/{quote(shell_id, safe='')}/interrupt"
+        await self._call("POST", self._sb(sandbox_id, path))
+
     # ---------------------------------------------------------------- files
     async def file_read(
         self, sandbox_id: str, path: str, offset: int = 0, length: int | None = None

@@ -475,7 +475,8 @@ class Process:
 
 
 class Shell:
-    """A persistent shell session: ``cd`` and ``export`` carry over between ``run`` calls."""
+    """A persistent shell session: one shell process in the sandbox runs every ``run``, so
+    variables, options, traps, jobs, cwd, functions and aliases carry over."""
 
     __slots__ = ("_ops", "_sandbox_id", "_info")
 
@@ -500,6 +501,11 @@ class Shell:
         return await self._ops.shell_run(
             self._sandbox_id, self.id, command, timeout=timeout, stdin=_to_bytes(stdin)
         )
+
+    async def interrupt(self) -> None:
+        """Stop the running command with SIGINT, as Ctrl-C would: its ``run`` returns
+        (exit code 130 for a command SIGINT killed) and the session keeps its state."""
+        await self._ops.shell_interrupt(self._sandbox_id, self.id)
 
     async def close(self) -> None:
         await self._ops.shell_close(self._sandbox_id, self.id)

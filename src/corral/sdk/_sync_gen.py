@@ -942,7 +942,8 @@ class BlockingPtyStream(_Handle):
 class BlockingShell(_Handle):
     """Blocking ``corral.sdk._sandbox.Shell``: the same API, no ``await``.
 
-    A persistent shell session: ``cd`` and ``export`` carry over between ``run`` calls.
+    A persistent shell session: one shell process in the sandbox runs every ``run``, so
+    variables, options, traps, jobs, cwd, functions and aliases carry over.
     """
 
     __slots__ = ()
@@ -960,6 +961,12 @@ class BlockingShell(_Handle):
         self, command: str, timeout: float | None = None, stdin: bytes | str | None = None
     ) -> ExecResult:
         return self._portal.call(self._obj.run(command, timeout, stdin))
+
+    def interrupt(self) -> None:
+        """Stop the running command with SIGINT, as Ctrl-C would: its ``run`` returns
+        (exit code 130 for a command SIGINT killed) and the session keeps its state.
+        """
+        self._portal.call(self._obj.interrupt())
 
     def close(self) -> None:
         self._portal.call(self._obj.close())
