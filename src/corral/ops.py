@@ -32,9 +32,10 @@ the command (the init kills its process group).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from corral.errors import InvalidRequest, NotFound, SandboxNotFound
 from corral.spec import (
@@ -63,6 +64,7 @@ from corral.spec import (
 
 __all__ = [
     "NodeOps",
+    "PortOps",
     "SandboxOps",
     "FleetOps",
     "PtyStream",
@@ -274,6 +276,23 @@ class FleetOps(Protocol):
 
 class NodeOps(SandboxOps, FleetOps, Protocol):
     """Both surfaces: what the embedded node, the HTTP client and the FakeNode implement."""
+
+
+@runtime_checkable
+class PortOps(Protocol):
+    """A TCP connection into a sandbox's own loopback, for the port proxy.
+
+    Node-local on purpose (it hands out a socket): the embedded node implements it; a
+    client over the network does not, and a cluster front forwards a port request to the
+    node's own HTTP proxy instead. Where it is missing the proxy falls back to relaying
+    one HTTP request per exec (no websockets).
+    """
+
+    async def port_connect(self, sandbox_id: str, port: int) -> socket.socket:
+        """A non-blocking socket connected to ``127.0.0.1:port`` inside the sandbox's
+        network namespace. SandboxNotFound, SandboxError (not running, nothing listening),
+        InvalidRequest (bad port, a backend without a namespace the node can enter)."""
+        ...
 
 
 # --------------------------------------------------------------------------- helpers

@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -52,11 +53,12 @@ from corral.node.host import NodeHost, Parts, open_host
 from corral.node.lifecycle import Lifecycle
 from corral.node.metrics import PhaseTimer
 from corral.node.pause import Pauser
+from corral.node.ports import connect_port
 from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
 from corral.node.stats import Observer
-from corral.ops import NodeOps
+from corral.ops import NodeOps, PortOps
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -397,6 +399,11 @@ class Node:
         """An interactive terminal (see :class:`corral.ops.PtyStream`)."""
         return await self.execs.pty(sandbox_id, req)
 
+    async def port_connect(self, sandbox_id: str, port: int) -> socket.socket:
+        """A socket connected to ``127.0.0.1:port`` in the sandbox (see
+        :class:`corral.ops.PortOps`): the port proxy's way in."""
+        return await connect_port(self.table, sandbox_id, port)
+
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         return await self.execs.spawn(sandbox_id, req)
 
@@ -537,4 +544,7 @@ class Node:
 if TYPE_CHECKING:  # mypy checks the node against the operations interface
 
     def _conforms(n: Node) -> NodeOps:
+        return n
+
+    def _has_ports(n: Node) -> PortOps:
         return n
