@@ -163,7 +163,7 @@ async def test_http_by_path_and_host(sb: Sandbox, served: tuple[Node, str]) -> N
         r = await c.post(ep.url + "up", headers=ep.headers, content=body)
         assert r.status_code == 200
         assert r.text == f"{hashlib.sha256(body).hexdigest()} {len(body)}"
-        # keep-alive across requests through one client connection
+        # several requests over one client connection
         for i in range(5):
             assert (await c.get(ep.url + f"k{i}", headers=ep.headers)).json()["path"] == f"/k{i}"
 

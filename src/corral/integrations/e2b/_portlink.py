@@ -2,8 +2,9 @@
 
 Used by :mod:`._ports` when the operations object is a :class:`corral.ops.PortOps` (the
 embedded node). HTTP goes through ``httpcore`` (the engine under httpx) with a network
-backend whose "TCP connect" is :meth:`~corral.ops.PortOps.port_connect`: keep-alive per
-sandbox port, request and response bodies streamed both ways (no size cap, server-sent
+backend whose "TCP connect" is :meth:`~corral.ops.PortOps.port_connect` (one guest
+connection per request; the client's own connection to the node is kept alive), request
+and response bodies streamed both ways (no size cap, server-sent
 events and long polls work). A WebSocket is bridged message by message: the node accepts
 the client's, opens one to the guest with ``websockets`` over such a socket, and pumps
 both ways until either side closes; the close code is passed on.
@@ -107,8 +108,9 @@ class PortLink:
         self._pool = httpcore.AsyncConnectionPool(
             network_backend=_Backend(ops),
             max_connections=4096,
-            max_keepalive_connections=256,
-            keepalive_expiry=5.0,
+            # none kept idle: an idle socket would hold a destroyed sandbox's network
+            # namespace alive (httpcore expires idle connections only on its next use)
+            max_keepalive_connections=0,
         )
 
     async def aclose(self) -> None:
