@@ -154,6 +154,16 @@ async def test_http_by_path_and_host(sb: Sandbox, served: tuple[Node, str]) -> N
         # the proxy's credentials stay on the node; the guest learns where it is mounted
         assert "x-access-token" not in seen["headers"]
         assert seen["headers"]["x-forwarded-prefix"] == f"/sandboxes/{sb.id}/ports/8000"
+        # the guest application's own credentials pass; the node's token never does
+        r = await c.get(ep.url, headers={**ep.headers, "Authorization": "Bearer app-secret"})
+        assert r.json()["headers"]["authorization"] == "Bearer app-secret"
+        r = await c.get(ep.url, headers={"X-API-KEY": TOKEN})
+        assert "x-api-key" not in r.json()["headers"]
+        r = await c.get(ep.url, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200 and "authorization" not in r.json()["headers"]
+        # SWE-ReX sends the sandbox's own token as X-API-Key: accepted, and passed on
+        r = await c.get(ep.url, headers={"X-API-Key": ep.headers["X-Access-Token"]})
+        assert r.status_code == 200 and "x-api-key" in r.json()["headers"]
         # the host form, by Host header (what a wildcard DNS name for the node gives)
         host = {"Host": f"8000-{sb.id}.localhost", **ep.headers}
         r = await c.get(served[1] + "/c", headers=host)

@@ -31,14 +31,32 @@ from corral.ops import PortOps
 __all__ = ["PortLink"]
 
 _READ = 64 << 10
-# Not passed on: hop-by-hop headers and every credential the proxy itself consumed.
+# Not passed on: hop-by-hop headers and the proxy's own credentials (see ``passed_on``).
 HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
-    "trailer", "host", "content-length", "authorization", "x-api-key", "x-access-token",
-    "e2b-traffic-access-token", "e2b-sandbox-id", "e2b-sandbox-port", "cookie",
-    "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-    "sec-websocket-protocol",
+    "trailer", "host", "content-length", "x-access-token", "e2b-traffic-access-token",
+    "e2b-sandbox-id", "e2b-sandbox-port", "sec-websocket-key", "sec-websocket-version",
+    "sec-websocket-extensions", "sec-websocket-protocol",
 })  # fmt: skip
+_NODE_CARRIERS = ("authorization", "x-api-key")
+
+
+def passed_on(headers: Any, node_token: str | None) -> list[tuple[str, str]]:
+    """The client's end-to-end headers the guest may see.
+
+    ``Authorization`` and ``X-API-Key`` are the guest application's own business (a
+    server with its own auth, SWE-ReX's key), so they pass, unless they carry the
+    node's token: that one never reaches a guest.
+    """
+    out = []
+    for k, v in headers.items():
+        low = k.lower()
+        if low in HOP:
+            continue
+        if low in _NODE_CARRIERS and node_token and node_token in v:
+            continue
+        out.append((k, v))
+    return out
 
 
 class _SockStream(httpcore.AsyncNetworkStream):
@@ -91,9 +109,11 @@ class _Backend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
-def _forwarded(request: Request | WebSocket, port: int, prefix: str) -> list[tuple[str, str]]:
-    """The client's end-to-end headers, plus what a server behind a proxy wants to know."""
-    out = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+def _forwarded(
+    request: Request | WebSocket, node_token: str | None, prefix: str
+) -> list[tuple[str, str]]:
+    """What passes on, plus what a server behind a proxy wants to know."""
+    out = passed_on(request.headers, node_token)
     out.append(("X-Forwarded-Host", request.headers.get("host", "")))
     if prefix:
         out.append(("X-Forwarded-Prefix", prefix))
@@ -103,8 +123,9 @@ def _forwarded(request: Request | WebSocket, port: int, prefix: str) -> list[tup
 class PortLink:
     """HTTP and WebSocket to ``127.0.0.1:port`` inside a sandbox (see the module doc)."""
 
-    def __init__(self, ops: PortOps) -> None:
+    def __init__(self, ops: PortOps, node_token: str | None) -> None:
         self._ops = ops
+        self._token = node_token
         self._pool = httpcore.AsyncConnectionPool(
             network_backend=_Backend(ops),
             max_connections=4096,
@@ -119,7 +140,7 @@ class PortLink:
     async def http(self, request: Request, sid: str, port: int, path: str, prefix: str) -> Response:
         """Relay one request; the response streams back as the guest sends it."""
         target = path + (("?" + request.url.query) if request.url.query else "")
-        headers = [("Host", f"127.0.0.1:{port}"), *_forwarded(request, port, prefix)]
+        headers = [("Host", f"127.0.0.1:{port}"), *_forwarded(request, self._token, prefix)]
         body: AsyncIterator[bytes] | None = None
         length = request.headers.get("content-length")
         if length is not None:
@@ -169,7 +190,7 @@ class PortLink:
                 f"ws://127.0.0.1:{port}{target}",
                 sock=sock,
                 subprotocols=offered or None,  # type: ignore[arg-type]
-                additional_headers=_forwarded(ws, port, prefix),
+                additional_headers=_forwarded(ws, self._token, prefix),
                 compression=None,
                 max_size=None,
                 open_timeout=30,

@@ -29,7 +29,7 @@ from starlette.websockets import WebSocket
 
 from corral.errors import CorralError, InvalidRequest, SandboxNotFound
 from corral.integrations.e2b._common import e2b_error, envd_token, token_ok
-from corral.integrations.e2b._portlink import PortLink
+from corral.integrations.e2b._portlink import PortLink, passed_on
 from corral.ops import NodeOps, PortOps
 from corral.spec import SANDBOX_ID_RE, ExecRequest
 
@@ -98,7 +98,7 @@ class PortProxy:
     def __init__(self, ops: NodeOps, token: str | None) -> None:
         self.ops = ops
         self.token = token
-        self.link = PortLink(ops) if isinstance(ops, PortOps) else None
+        self.link = PortLink(ops, token) if isinstance(ops, PortOps) else None
 
     def _allowed(self, request: Request | WebSocket, sid: str) -> bool:
         h = request.headers
@@ -106,8 +106,10 @@ class PortProxy:
         node = h.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else None)
         if self.token is None or (node is not None and token_ok(self.token, node)):
             return True
-        own = h.get("x-access-token") or h.get("e2b-traffic-access-token")
-        return own is not None and token_ok(envd_token(self.token, sid), own)
+        # the sandbox's own token, in any of the headers; X-API-Key is what SWE-ReX sends
+        own = envd_token(self.token, sid)
+        given = (h.get("x-access-token"), h.get("e2b-traffic-access-token"), node)
+        return any(g is not None and token_ok(own, g) for g in given)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
@@ -181,9 +183,8 @@ class PortProxy:
             raise InvalidRequest(f"request body over {MAX_RESPONSE} bytes")
         target = path + (("?" + request.url.query) if request.url.query else "")
         lines = [f"{request.method} {target} HTTP/1.1", f"Host: 127.0.0.1:{port}"]
-        for k, v in request.headers.items():
-            if k.lower() not in _HOP:
-                lines.append(f"{k}: {v}")
+        for k, v in passed_on(request.headers, self.token):
+            lines.append(f"{k}: {v}")
         lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
         raw = "\r\n".join(lines).encode("latin-1") + body
         res = await self.ops.exec(
