@@ -35,7 +35,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from corral.errors import InvalidRequest, NotFound, SandboxNotFound
 from corral.spec import (
@@ -65,6 +65,9 @@ from corral.spec import (
 __all__ = [
     "NodeOps",
     "PortOps",
+    "WatchOps",
+    "DirWatch",
+    "FileEvent",
     "SandboxOps",
     "FleetOps",
     "PtyStream",
@@ -292,6 +295,37 @@ class PortOps(Protocol):
         """A non-blocking socket connected to ``127.0.0.1:port`` inside the sandbox's
         network namespace. SandboxNotFound, SandboxError (not running, nothing listening),
         InvalidRequest (bad port, a backend without a namespace the node can enter)."""
+        ...
+
+
+class FileEvent(NamedTuple):
+    """One change in a watched directory."""
+
+    name: str
+    """Path relative to the watched directory (``sub/file.txt`` in a recursive watch)."""
+    kind: str
+    """``create`` (also a move in), ``write``, ``remove``, ``rename`` (a move out),
+    ``chmod``."""
+
+
+class DirWatch(Protocol):
+    """A running watch: iterate for events (ends when the directory goes); ``close``."""
+
+    def __aiter__(self) -> AsyncIterator[FileEvent]: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WatchOps(Protocol):
+    """Directory watches with the kernel's inotify (events the guest cannot forge).
+
+    Node-local like :class:`PortOps`; where it is missing (a network client, a backend
+    whose files the node cannot watch) a caller polls the files API instead.
+    """
+
+    async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
+        """Start watching directory ``path``; InvalidRequest where it is not a directory
+        or the backend's files cannot be watched, NotFound where it does not exist."""
         ...
 
 

@@ -58,7 +58,8 @@ from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
 from corral.node.stats import Observer
-from corral.ops import NodeOps, PortOps
+from corral.node.watch import WatchHub
+from corral.ops import DirWatch, NodeOps, PortOps, WatchOps
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -131,6 +132,7 @@ class Node:
         )
         self.execs = Execs(self.life, self.table, self.state, self.security, config.id_count)
         self.files = FileOps(self.life, self.table, self.state)
+        self.watches = WatchHub()
         self.snapshots = Snapshots(
             self.life, self.table, self.pauser, self.state, self.store, self.scratch
         )
@@ -208,6 +210,7 @@ class Node:
         if self.life.closed:
             return
         self.life.closed = True
+        self.watches.close()
         await self.fncall.close()
         await self.reaper.stop()
         await self.pauser.close()
@@ -404,6 +407,12 @@ class Node:
         :class:`corral.ops.PortOps`): the port proxy's way in."""
         return await connect_port(self.table, sandbox_id, port)
 
+    async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
+        """Watch a directory of the sandbox with inotify (see :mod:`corral.node.watch`)."""
+        info = self.life.active(sandbox_id)
+        fs = self.life.backend_of(info).files(sandbox_id)
+        return await self.watches.watch(fs, path, recursive)
+
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         return await self.execs.spawn(sandbox_id, req)
 
@@ -547,4 +556,7 @@ if TYPE_CHECKING:  # mypy checks the node against the operations interface
         return n
 
     def _has_ports(n: Node) -> PortOps:
+        return n
+
+    def _has_watches(n: Node) -> WatchOps:
         return n
