@@ -242,3 +242,13 @@ async def test_cli_port(sb: Sandbox, served: tuple[Node, str]) -> None:
     res = await asyncio.to_thread(CliRunner().invoke, app, [*args, "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["headers"]["X-Access-Token"]
+
+
+async def test_a_paused_sandbox_wakes_for_its_port(sb: Sandbox) -> None:
+    ep = await sb.ports.expose(8000)
+    await sb.pause()
+    assert (await sb.refresh()).state == "paused"
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.get(ep.url + "after-pause", headers=ep.headers)
+    assert r.status_code == 200 and r.json()["path"] == "/after-pause"
+    assert (await sb.refresh()).state == "running"

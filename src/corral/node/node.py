@@ -405,7 +405,8 @@ class Node:
     async def port_connect(self, sandbox_id: str, port: int) -> socket.socket:
         """A socket connected to ``127.0.0.1:port`` in the sandbox (see
         :class:`corral.ops.PortOps`): the port proxy's way in."""
-        return await connect_port(self.table, sandbox_id, port)
+        info = self.life.active(sandbox_id)  # a paused sandbox wakes, as for any request
+        return await connect_port(self.table, info, sandbox_id, port)
 
     async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
         """Watch a directory of the sandbox with inotify (see :mod:`corral.node.watch`)."""

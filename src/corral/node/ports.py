@@ -15,6 +15,7 @@ import socket
 from corral.errors import InvalidRequest, SandboxError
 from corral.host.netlink import tcp_socket_in
 from corral.node.table import SandboxTable
+from corral.spec import SandboxInfo
 
 __all__ = ["connect_port", "CONNECT_TIMEOUT"]
 
@@ -23,17 +24,19 @@ CONNECT_TIMEOUT = 10.0
 so this bounds only a namespace under pressure)."""
 
 
-async def connect_port(table: SandboxTable, sandbox_id: str, port: int) -> socket.socket:
-    """See :meth:`corral.ops.PortOps.port_connect`."""
+async def connect_port(
+    table: SandboxTable, info: SandboxInfo, sandbox_id: str, port: int
+) -> socket.socket:
+    """See :meth:`corral.ops.PortOps.port_connect`; ``info`` is the sandbox as
+    ``Lifecycle.active`` gave it (a paused one was woken)."""
     if not 1 <= port <= 65535:
         raise InvalidRequest(f"port {port}: not 1-65535")
-    info = table.need(sandbox_id)
     if info.backend != "container":
         raise InvalidRequest(
             f"sandbox {sandbox_id} runs on the {info.backend!r} backend, whose network the "
             "node cannot enter; its ports are relayed per request (HTTP only)"
         )
-    if info.state != "running" or not info.pid:
+    if not info.pid:
         raise SandboxError(f"sandbox {sandbox_id} is {info.state}, not running")
     pid = info.pid
     sock = await asyncio.to_thread(tcp_socket_in, pid)
@@ -41,7 +44,7 @@ async def connect_port(table: SandboxTable, sandbox_id: str, port: int) -> socke
         # The pid was read before the namespace was opened: if the sandbox ended in
         # between, the pid may name another process. Still the same live sandbox now?
         now = table.get(sandbox_id)
-        if now is None or now.pid != pid or now.state != "running":
+        if now is None or now.pid != pid or now.state in ("destroying", "destroyed"):
             raise SandboxError(f"sandbox {sandbox_id} stopped while connecting to port {port}")
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
