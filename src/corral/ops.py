@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -295,6 +296,11 @@ class PortOps(Protocol):
         """A non-blocking socket connected to ``127.0.0.1:port`` inside the sandbox's
         network namespace. SandboxNotFound, SandboxError (not running, nothing listening),
         InvalidRequest (bad port, a backend without a namespace the node can enter)."""
+        ...
+
+    def port_hold(self, sandbox_id: str) -> AbstractContextManager[None]:
+        """Counts the sandbox as busy while entered (a live WebSocket or a streaming
+        response is use: the idle reaper and idle pause leave it alone)."""
         ...
 
 

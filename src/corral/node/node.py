@@ -408,6 +408,10 @@ class Node:
         info = self.life.active(sandbox_id)  # a paused sandbox wakes, as for any request
         return await connect_port(self.table, info, sandbox_id, port)
 
+    def port_hold(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
+        """Busy while a port connection is open (see :class:`corral.ops.PortOps`)."""
+        return self.table.working(sandbox_id)
+
     async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
         """Watch a directory of the sandbox with inotify (see :mod:`corral.node.watch`)."""
         info = self.life.active(sandbox_id)

@@ -165,8 +165,9 @@ class PortLink:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_stream():  # type: ignore[attr-defined]
-                    yield chunk
+                with self._ops.port_hold(sid):
+                    async for chunk in resp.aiter_stream():  # type: ignore[attr-defined]
+                        yield chunk
             finally:
                 await resp.aclose()  # type: ignore[attr-defined]
 
@@ -203,7 +204,8 @@ class PortLink:
             return
         async with guest:
             await ws.accept(subprotocol=guest.subprotocol)
-            await _pump(ws, guest)
+            with self._ops.port_hold(sid):
+                await _pump(ws, guest)
 
 
 async def _pump(ws: WebSocket, guest: ClientConnection) -> None:
