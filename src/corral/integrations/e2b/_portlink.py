@@ -35,7 +35,7 @@ _READ = 64 << 10
 HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
     "trailer", "host", "content-length", "x-access-token", "e2b-traffic-access-token",
-    "e2b-sandbox-id", "e2b-sandbox-port", "sec-websocket-key", "sec-websocket-version",
+    "e2b-sandbox-id", "e2b-sandbox-port", "expect", "sec-websocket-key", "sec-websocket-version",
     "sec-websocket-extensions", "sec-websocket-protocol",
 })  # fmt: skip
 _NODE_CARRIERS = ("authorization", "x-api-key")
