@@ -255,6 +255,36 @@ async def test_watch_recursive(sbx: AsyncSandbox) -> None:
     assert ("create", "new") in events
 
 
+async def test_watch_sees_only_its_own_sandbox(sbx: AsyncSandbox) -> None:
+    """The same path changed in another sandbox, and a symlink out of the root, give no
+    events: the watch is on this sandbox's inode."""
+    other = await AsyncSandbox.create("test/debian")
+    try:
+        await other.commands.run("mkdir -p /tmp/ws")
+        await sbx.files.make_dir("/tmp/ws")
+        await sbx.commands.run("ln -s / /tmp/ws/up")
+        events: list[tuple[str, str]] = []
+        done = asyncio.Event()
+
+        def on_event(ev: object) -> None:
+            events.append((ev.type.value, ev.name))  # type: ignore[attr-defined]
+            if ev.name == "mine":  # type: ignore[attr-defined]
+                done.set()
+
+        # /tmp/ws/up/tmp/ws resolves inside this sandbox to /tmp/ws itself
+        handle = await sbx.files.watch_dir("/tmp/ws/up/tmp/ws", on_event=on_event)
+        try:
+            await other.commands.run("echo x > /tmp/ws/theirs")
+            await sbx.commands.run("echo y > /tmp/ws/mine")
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            await handle.stop()
+        assert all(name != "theirs" for _, name in events)
+        assert ("create", "mine") in events
+    finally:
+        await other.kill()
+
+
 async def test_watch_polled_by_the_blocking_sdk(e2b_env: Node) -> None:
     """The blocking SDK's watcher (CreateWatcher / GetWatcherEvents): events are kept on
     the node between two polls."""
