@@ -252,3 +252,28 @@ async def test_a_paused_sandbox_wakes_for_its_port(sb: Sandbox) -> None:
         r = await c.get(ep.url + "after-pause", headers=ep.headers)
     assert r.status_code == 200 and r.json()["path"] == "/after-pause"
     assert (await sb.refresh()).state == "running"
+
+
+async def test_browser_link_sets_a_cookie(sb: Sandbox) -> None:
+    """``?corral_token=`` answers a redirect and an HttpOnly cookie for this port's path;
+    the cookie then authenticates HTTP and WebSocket, and never reaches the guest."""
+    ep = await sb.ports.expose(8000)
+    token = ep.headers["X-Access-Token"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.get(ep.url + "page?a=1&corral_token=" + token)
+        assert r.status_code == 303
+        assert r.headers["location"] == f"/sandboxes/{sb.id}/ports/8000/page?a=1"
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+        assert f"Path=/sandboxes/{sb.id}/ports/8000" in cookie
+        r = await c.get(ep.url + "page?a=1", headers={"Cookie": f"corral_port={token}; app=1"})
+        assert r.status_code == 200
+        assert r.json()["headers"]["cookie"] == "app=1"
+        # another sandbox's token, or the node's, in a link: refused
+        assert (await c.get(ep.url + "?corral_token=nope")).status_code == 401
+        assert (await c.get(ep.url + f"?corral_token={TOKEN}")).status_code == 401
+    async with connect(
+        ep.ws_url + "ws", additional_headers={"Cookie": f"corral_port={token}"}
+    ) as ws:
+        await ws.send("c")
+        assert await ws.recv() == "echo:c"

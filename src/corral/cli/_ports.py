@@ -29,6 +29,10 @@ def register(app: typer.Typer) -> None:
         curl: Annotated[
             bool, typer.Option("--curl", help="Print a curl command that reaches the port.")
         ] = False,
+        open_it: Annotated[
+            bool,
+            typer.Option("--open", help="Open it in a browser (a link holding the token)."),
+        ] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
         """Print the URL of a sandbox's port on the node (HTTP and WebSocket; the guest needs
@@ -43,7 +47,17 @@ def register(app: typer.Typer) -> None:
 
         ep = asyncio.run(run())
         if json_out or getattr(ctx.obj, "json", False):
-            emit_json({**dataclasses.asdict(ep), "ws_url": ep.ws_url})
+            emit_json(
+                {**dataclasses.asdict(ep), "ws_url": ep.ws_url, "browser_url": ep.browser_url}
+            )
+            return
+        if open_it:
+            import webbrowser
+
+            if ep.unix_socket:
+                raise typer.BadParameter("a browser cannot reach a node over a unix socket")
+            typer.echo(ep.url)
+            webbrowser.open(ep.browser_url)
             return
         url = ep.url
         if host_form:

@@ -37,6 +37,14 @@ class PortEndpoint:
     unix_socket: str | None = None
 
     @property
+    def browser_url(self) -> str:
+        """``url`` with the sandbox's token as ``?corral_token=``, for a browser: the node
+        answers with a cookie (HttpOnly, this port only) and a redirect to ``url``. The
+        link is a credential for this sandbox's ports: share it as such."""
+        token = self.headers.get("X-Access-Token")
+        return f"{self.url}?corral_token={token}" if token else self.url
+
+    @property
     def ws_url(self) -> str:
         """``url`` as a WebSocket URL (``ws://`` or ``wss://``)."""
         return "ws" + self.url[4:] if self.url.startswith("http") else self.url

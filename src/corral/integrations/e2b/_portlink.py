@@ -39,6 +39,13 @@ HOP = frozenset({
     "sec-websocket-extensions", "sec-websocket-protocol",
 })  # fmt: skip
 _NODE_CARRIERS = ("authorization", "x-api-key")
+COOKIE = "corral_port"
+"""The cookie a browser gets from a ``?corral_token=`` link (see :mod:`._ports`)."""
+
+
+def _without_our_cookie(value: str) -> str:
+    kept = [c for c in value.split(";") if c.strip().partition("=")[0] != COOKIE]
+    return ";".join(kept).strip()
 
 
 def passed_on(headers: Any, node_token: str | None) -> list[tuple[str, str]]:
@@ -55,6 +62,10 @@ def passed_on(headers: Any, node_token: str | None) -> list[tuple[str, str]]:
             continue
         if low in _NODE_CARRIERS and node_token and node_token in v:
             continue
+        if low == "cookie":
+            v = _without_our_cookie(v)
+            if not v:
+                continue
         out.append((k, v))
     return out
 

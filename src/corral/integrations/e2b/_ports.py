@@ -7,6 +7,12 @@ or ``Authorization: Bearer``) or the sandbox's own access token (``X-Access-Toke
 ``E2b-Traffic-Access-Token``); one sandbox's token opens no other sandbox's ports. The
 credentials are not passed on to the guest.
 
+For a browser, which cannot add headers: a link with ``?corral_token=<the sandbox's
+token>`` answers a redirect to the same URL without it and sets an HttpOnly, SameSite=Strict
+cookie scoped to that port's path (or host), which authenticates what the page loads
+next, WebSockets included (``corral sandbox port ID PORT --open``). The node's token is
+never accepted in a URL.
+
 On the embedded node (:class:`corral.ops.PortOps`) the node connects to
 ``127.0.0.1:{port}`` inside the sandbox's network namespace and relays HTTP streamed, with
 keep-alive, and WebSockets (:mod:`._portlink`): a guest without any network of its own is
@@ -21,15 +27,16 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 import httpcore
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.websockets import WebSocket
 
 from corral.errors import CorralError, InvalidRequest, SandboxNotFound
 from corral.integrations.e2b._common import e2b_error, envd_token, token_ok
-from corral.integrations.e2b._portlink import PortLink, passed_on
+from corral.integrations.e2b._portlink import COOKIE, PortLink, passed_on
 from corral.ops import NodeOps, PortOps
 from corral.spec import SANDBOX_ID_RE, ExecRequest
 
@@ -37,6 +44,7 @@ HOST_RE = re.compile(r"^(\d{1,5})-(sb-[0-9a-z]+-[0-9a-z]+)(?:\.|:|$)")
 """The E2B host form: ``8000-sb-abc-node.example.com``."""
 PATH_RE = re.compile(r"^/sandboxes/([^/]+)/ports/(\d{1,5})(/.*)?$")
 MAX_RESPONSE = 64 << 20
+LINK_PARAM = "corral_token"
 
 # the reader goes to the background: a background command's stdin would be /dev/null
 _RELAY = r"""exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 111
@@ -108,8 +116,25 @@ class PortProxy:
             return True
         # the sandbox's own token, in any of the headers; X-API-Key is what SWE-ReX sends
         own = envd_token(self.token, sid)
-        given = (h.get("x-access-token"), h.get("e2b-traffic-access-token"), node)
+        cookie = request.cookies.get(COOKIE)
+        given = (h.get("x-access-token"), h.get("e2b-traffic-access-token"), node, cookie)
         return any(g is not None and token_ok(own, g) for g in given)
+
+    def _link_login(self, scope: Any, sid: str, prefix: str) -> Response | None:
+        """A ``?corral_token=`` link: the cookie and a redirect without the token (None: no
+        such parameter)."""
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), True)
+        given = [v for k, v in query if k == LINK_PARAM]
+        if not given:
+            return None
+        own = envd_token(self.token, sid)
+        if own is not None and not token_ok(own, given[0]):
+            return JSONResponse(e2b_error(401, f"not the token of sandbox {sid!r}"), 401)
+        rest = urlencode([(k, v) for k, v in query if k != LINK_PARAM])
+        resp = RedirectResponse(scope["path"] + ("?" + rest if rest else ""), status_code=303)
+        if own is not None:
+            resp.set_cookie(COOKIE, own, path=prefix or "/", httponly=True, samesite="strict")
+        return resp
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
@@ -127,7 +152,10 @@ class PortProxy:
         request: Request | WebSocket = (
             WebSocket(scope, receive, send) if scope["type"] == "websocket" else Request(scope)
         )
-        if not self._allowed(request, sid):
+        login = self._link_login(scope, sid, prefix) if scope["type"] == "http" else None
+        if login is not None:
+            await login(scope, receive, send)
+        elif not self._allowed(request, sid):
             await self._refuse(scope, receive, send, 401, f"no token for sandbox {sid!r}")
         elif not 1 <= port <= 65535:
             await self._refuse(scope, receive, send, 400, f"port {port}: not 1-65535")
