@@ -32,9 +32,11 @@ the command (the init kills its process group).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from corral.errors import InvalidRequest, NotFound, SandboxNotFound
 from corral.spec import (
@@ -63,6 +65,10 @@ from corral.spec import (
 
 __all__ = [
     "NodeOps",
+    "PortOps",
+    "WatchOps",
+    "DirWatch",
+    "FileEvent",
     "SandboxOps",
     "FleetOps",
     "PtyStream",
@@ -277,6 +283,59 @@ class FleetOps(Protocol):
 
 class NodeOps(SandboxOps, FleetOps, Protocol):
     """Both surfaces: what the embedded node, the HTTP client and the FakeNode implement."""
+
+
+@runtime_checkable
+class PortOps(Protocol):
+    """A TCP connection into a sandbox's own loopback, for the port proxy.
+
+    Node-local on purpose (it hands out a socket): the embedded node implements it; a
+    client over the network does not, and a cluster front forwards a port request to the
+    node's own HTTP proxy instead. Where it is missing the proxy falls back to relaying
+    one HTTP request per exec (no websockets).
+    """
+
+    async def port_connect(self, sandbox_id: str, port: int) -> socket.socket:
+        """A non-blocking socket connected to ``127.0.0.1:port`` inside the sandbox's
+        network namespace. SandboxNotFound, SandboxError (not running, nothing listening),
+        InvalidRequest (bad port, a backend without a namespace the node can enter)."""
+        ...
+
+    def port_hold(self, sandbox_id: str) -> AbstractContextManager[None]:
+        """Counts the sandbox as busy while entered (a live WebSocket or a streaming
+        response is use: the idle reaper and idle pause leave it alone)."""
+        ...
+
+
+class FileEvent(NamedTuple):
+    """One change in a watched directory."""
+
+    name: str
+    """Path relative to the watched directory (``sub/file.txt`` in a recursive watch)."""
+    kind: str
+    """``create`` (also a move in), ``write``, ``remove``, ``rename`` (a move out),
+    ``chmod``."""
+
+
+class DirWatch(Protocol):
+    """A running watch: iterate for events (ends when the directory goes); ``close``."""
+
+    def __aiter__(self) -> AsyncIterator[FileEvent]: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WatchOps(Protocol):
+    """Directory watches with the kernel's inotify (events the guest cannot forge).
+
+    Node-local like :class:`PortOps`; where it is missing (a network client, a backend
+    whose files the node cannot watch) a caller polls the files API instead.
+    """
+
+    async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
+        """Start watching directory ``path``; InvalidRequest where it is not a directory
+        or the backend's files cannot be watched, NotFound where it does not exist."""
+        ...
 
 
 # --------------------------------------------------------------------------- helpers

@@ -175,6 +175,137 @@ async def test_watch_dir(sbx: AsyncSandbox) -> None:
     assert any(getattr(e, "name", "") == "new.txt" for e in events)
 
 
+async def _events_until(
+    sbx: AsyncSandbox, path: str, script: str, last: tuple[str, str], recursive: bool = False
+) -> list[tuple[str, str]]:
+    """(type, name) of the events a watch on ``path`` sees while ``script`` runs in the
+    guest, up to and including ``last`` (the readiness signal: no sleeps)."""
+    events: list[tuple[str, str]] = []
+    done = asyncio.Event()
+
+    def on_event(ev: object) -> None:
+        item = (ev.type.value, ev.name)  # type: ignore[attr-defined]
+        events.append(item)
+        if item == last:
+            done.set()
+
+    handle = await sbx.files.watch_dir(path, on_event=on_event, recursive=recursive)
+    try:
+        await sbx.commands.run(script)
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        await handle.stop()
+    return events
+
+
+async def test_watch_events_from_the_kernel(sbx: AsyncSandbox) -> None:
+    """create, write, rename, remove and chmod, made by the guest itself, in order, each
+    once (inotify: no change is missed, however quick)."""
+    await sbx.files.make_dir("/tmp/wk")
+    script = "cd /tmp/wk && echo a > f1 && chmod 600 f1 && mv f1 f2 && rm f2 && touch last"
+    events = await _events_until(sbx, "/tmp/wk", script, ("create", "last"))
+    assert events[0] == ("create", "f1")
+    assert ("write", "f1") in events
+    assert ("chmod", "f1") in events
+    i = events.index(("rename", "f1"))
+    assert events[i + 1] == ("create", "f2")
+    assert events.index(("remove", "f2")) > i
+    # a write through the files API reads as one create of the target (no temp names)
+    seen: list[tuple[str, str]] = []
+    ready = asyncio.Event()
+
+    def on_event(ev: object) -> None:
+        seen.append((ev.type.value, ev.name))  # type: ignore[attr-defined]
+        ready.set()
+
+    handle = await sbx.files.watch_dir("/tmp/wk", on_event=on_event)
+    try:
+        await sbx.files.write("/tmp/wk/api.txt", "x")
+        await asyncio.wait_for(ready.wait(), 30)
+    finally:
+        await handle.stop()
+    assert seen and all(".corral-tmp-" not in name for _, name in seen)
+    assert ("create", "api.txt") in seen
+
+
+async def test_watch_recursive(sbx: AsyncSandbox) -> None:
+    """A recursive watch follows directories made after it started."""
+    await sbx.files.make_dir("/tmp/wr/old")
+    script = "echo x > /tmp/wr/new/inner && echo y > /tmp/wr/old/o"
+    events: list[tuple[str, str]] = []
+    done, made = asyncio.Event(), asyncio.Event()
+
+    def on_event(ev: object) -> None:
+        events.append((ev.type.value, ev.name))  # type: ignore[attr-defined]
+        if ("create", "new") in events:
+            made.set()
+        if {("create", "new/inner"), ("create", "old/o")} <= set(events):
+            done.set()
+
+    handle = await sbx.files.watch_dir("/tmp/wr", on_event=on_event, recursive=True)
+    try:
+        # the new directory's watch is added as its create event arrives: wait for it
+        # before writing inside it (a file made in between is not reported)
+        await sbx.commands.run("mkdir /tmp/wr/new")
+        await asyncio.wait_for(made.wait(), 30)
+        await sbx.commands.run(script)
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        await handle.stop()
+    assert ("create", "new") in events
+
+
+async def test_watch_sees_only_its_own_sandbox(sbx: AsyncSandbox) -> None:
+    """The same path changed in another sandbox, and a symlink out of the root, give no
+    events: the watch is on this sandbox's inode."""
+    other = await AsyncSandbox.create("test/debian")
+    try:
+        await other.commands.run("mkdir -p /tmp/ws")
+        await sbx.files.make_dir("/tmp/ws")
+        await sbx.commands.run("ln -s / /tmp/ws/up")
+        events: list[tuple[str, str]] = []
+        done = asyncio.Event()
+
+        def on_event(ev: object) -> None:
+            events.append((ev.type.value, ev.name))  # type: ignore[attr-defined]
+            if ev.name == "mine":  # type: ignore[attr-defined]
+                done.set()
+
+        # /tmp/ws/up/tmp/ws resolves inside this sandbox to /tmp/ws itself
+        handle = await sbx.files.watch_dir("/tmp/ws/up/tmp/ws", on_event=on_event)
+        try:
+            await other.commands.run("echo x > /tmp/ws/theirs")
+            await sbx.commands.run("echo y > /tmp/ws/mine")
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            await handle.stop()
+        assert all(name != "theirs" for _, name in events)
+        assert ("create", "mine") in events
+    finally:
+        await other.kill()
+
+
+async def test_watch_polled_by_the_blocking_sdk(e2b_env: Node) -> None:
+    """The blocking SDK's watcher (CreateWatcher / GetWatcherEvents): events are kept on
+    the node between two polls."""
+    from e2b import Sandbox
+
+    def harness() -> list[tuple[str, str]]:
+        sb = Sandbox.create("test/debian")
+        try:
+            sb.files.make_dir("/tmp/wp")
+            h = sb.files.watch_dir("/tmp/wp")
+            sb.commands.run("echo 1 > /tmp/wp/a && rm /tmp/wp/a")
+            got = [(e.type.value, e.name) for e in h.get_new_events()]
+            h.stop()
+            return got
+        finally:
+            sb.kill()
+
+    got = await asyncio.to_thread(harness)
+    assert ("create", "a") in got and ("remove", "a") in got
+
+
 async def test_list_paging_with_metadata(e2b_env: Node) -> None:
     made = [
         await AsyncSandbox.create("test/debian", metadata={"suite": "paging", "i": str(i)})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from corral.node import reaper as reaper_mod
-from corral.node.watch import SAMPLE, Deadlines, DeathWatch, next_deadline
+from corral.node.deadlines import SAMPLE, Deadlines, DeathWatch, next_deadline
 from corral.spec import SandboxSpec
 from corral.testing import FakeBackend, open_fake_node
 

@@ -417,6 +417,22 @@ class SandboxFS:
                         out.append(self._filestat(p.child(name), st, _link_target(opath, st)))
         return out
 
+    def add_watch(self, inotify_fd: int, path: str, mask: int) -> int:
+        """``inotify_add_watch`` on the directory ``path`` of the sandbox (resolved inside
+        the root as ``list`` does), by way of an O_PATH fd, never a host path string;
+        returns the watch descriptor. The fd is closed before returning: it would pin
+        the sandbox's root mount."""
+        from corral.host.inotify import add_watch
+
+        p = _parse(path)
+        with self._root() as root, _errors(p.text):
+            try:
+                fd = openat2(root, p.rel, os.O_PATH | os.O_DIRECTORY, resolve=self._in_root)
+            except NotADirectoryError:
+                raise InvalidRequest(f"{p.text}: is not a directory") from None
+            with _fd(fd):
+                return add_watch(inotify_fd, f"/proc/self/fd/{fd}", mask)
+
     def stat(self, path: str) -> FileStat:
         """Metadata of the entry at ``path`` itself (a final symlink is not followed)."""
         p = _parse(path)

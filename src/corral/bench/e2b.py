@@ -12,6 +12,12 @@ a shared machine falls on both alike):
   and ``exec(["/bin/bash", "-l", "-c", "true"])``: the work E2B's run asks
   for, so ``run_overhead_ms`` (E2B's run minus that) is what the protocol costs.
 
+``ports``: ``count`` GETs of a 1 KiB file from ``python3 -m http.server`` in a sandbox,
+through the port proxy in process (ASGI, no socket to the node), taking turns: ``direct``
+(the node's socket in the sandbox's network namespace) against ``exec_relay`` (the
+fallback, one exec of bash's ``/dev/tcp`` per request). Skipped for an image without
+python3.
+
 The image must have bash (E2B runs every command through ``/bin/bash -l -c``): the
 built-in ``debian`` image has it, ``busybox`` has not.
 """
@@ -51,12 +57,64 @@ async def e2b(opts: BenchOptions, count: int) -> dict[str, Any]:
                 )
                 async with AsyncClient(srv.address, token=token) as native:
                     out.update(await _both(native, AsyncSandbox, p.image.info.name, count))
+                    out["ports"] = await _ports(ops, token, native, p.image.info.name, count)
     out["create_overhead_pct"] = round(
         100 * (out["create_p50_ms"] / out["native"]["create_p50_ms"] - 1), 1
     )
     # the protocol's cost: E2B's run against corral running the same login bash
     out["run_overhead_ms"] = round(out["run_p50_ms"] - out["native"]["exec_bash_p50_ms"], 3)
     return out
+
+
+async def _ports(ops: Any, token: str, client: Any, image: str, count: int) -> dict[str, Any]:
+    import asyncio
+
+    import httpx
+
+    from corral.integrations.e2b._ports import PortProxy
+
+    sb = await client.sandboxes.create(image=image, labels={"corral-bench": "e2b"})
+    try:
+        if not (await sb.exec(["sh", "-c", "command -v python3"], timeout=60)).ok:
+            return {"skipped": f"image {image} has no python3 for a test server"}
+        await sb.files.write("/tmp/www/f", b"x" * 1024)
+        await sb.spawn(["python3", "-m", "http.server", "8000", "--bind", "127.0.0.1",
+                        "--directory", "/tmp/www"])  # fmt: skip
+        direct, relay = PortProxy(ops, token), PortProxy(ops, token)
+        relay.link = None  # the fallback path
+        path, headers = f"/sandboxes/{sb.id}/ports/8000/f", {"X-API-KEY": token}
+        async with (
+            httpx.AsyncClient(transport=httpx.ASGITransport(direct), base_url="http://n") as d,
+            httpx.AsyncClient(transport=httpx.ASGITransport(relay), base_url="http://n") as r,
+        ):
+            for _ in range(600):  # readiness: the server answers once it listens
+                if (await d.get(path, headers=headers)).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+
+            def get(c: httpx.AsyncClient) -> Callable[[], Awaitable[object]]:
+                async def op() -> None:
+                    resp = await c.get(path, headers=headers)
+                    if resp.status_code != 200 or len(resp.content) != 1024:
+                        raise SandboxError(f"port GET: {resp.status_code} {resp.text[:200]}")
+
+                return op
+
+            say(f"{count} GETs through the port proxy each way, taking turns")
+            ds, rs = _Side(), _Side()
+            for _ in range(count):
+                await ds.timed(get(d))
+                await rs.timed(get(r))
+        a, b = ds.figures(), rs.figures()
+        return {
+            "direct_p50_ms": a["p50_ms"],
+            "direct_p99_ms": a["p99_ms"],
+            "exec_relay_p50_ms": b["p50_ms"],
+            "exec_relay_p99_ms": b["p99_ms"],
+            "errors": a["errors"] + b["errors"],
+        }
+    finally:
+        await sb.destroy()
 
 
 class _Side:

@@ -37,6 +37,7 @@ from corral.cli import node as node_cmd
 from corral.cli import observe as observe_cmd
 from corral.cli import redteam as redteam_cmd
 from corral.cli import sandbox as sandbox_cmd
+from corral.cli import swerex as swerex_cmd
 from corral.cli._context import ClientFactory, Globals, err, validation_text
 from corral.errors import CorralError
 
@@ -123,6 +124,7 @@ app.add_typer(node_cmd.app, name="node")
 app.add_typer(events_cmd.app, name="events")
 app.add_typer(cluster_cmd.app, name="cluster")
 app.add_typer(fncall_cmd.app, name="fncall")
+app.add_typer(swerex_cmd.app, name="swerex")
 app.command("redteam")(redteam_cmd.redteam)
 app.command("top")(observe_cmd.top)
 app.command("ui")(observe_cmd.ui)

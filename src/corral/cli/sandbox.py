@@ -1,4 +1,4 @@
-"""``corral sandbox``: create, exec, shell, ls, rm, cp, events, info, snapshot, fork."""
+"""``corral sandbox``: create, exec, shell, ls, rm, cp, events, info, snapshot, fork, port."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from corral.cli import _cp, _network, _pause, _pty, _snapshot
+from corral.cli import _cp, _network, _pause, _ports, _pty, _snapshot
 from corral.cli._context import (
     EMBEDDED,
     Globals,
@@ -35,6 +35,7 @@ app = typer.Typer(help="Create and use sandboxes.", no_args_is_help=True)
 _pause.register(app)  # pause, resume
 _snapshot.register(app)  # snapshot, fork
 _network.register(app)  # network
+_ports.register(app)  # port
 
 # Same conventions as timeout(1) and shells, so scripts can tell the cases apart.
 EXIT_TIMEOUT = 124

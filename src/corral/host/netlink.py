@@ -39,7 +39,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from corral.errors import HostError
 
-__all__ = ["Links", "netlink_socket_in", "write_sysctl"]
+__all__ = ["Links", "netlink_socket_in", "tcp_socket_in", "write_sysctl"]
 
 _CLONE_NEWNET = 0x40000000
 _RT_SCOPE_LINK = 253
@@ -394,3 +394,35 @@ def _ext_msg(payload: bytes) -> str:
         if kind == _NLMSGERR_ATTR_MSG:
             return value.rstrip(b"\0").decode(errors="replace")
     return ""
+
+
+def tcp_socket_in(pid: int) -> socket.socket:
+    """An unconnected TCP/IPv4 socket in the network namespace of ``pid`` (the node's way
+    into a sandbox's loopback: ports, see :meth:`corral.node.Node.port_connect`).
+
+    Same dance as :func:`netlink_socket_in`: only the calling thread switches, for one
+    ``socket()`` call, and always switches back (abort otherwise). The socket keeps that
+    namespace for its life: ``connect(("127.0.0.1", port))`` reaches the sandbox's own
+    loopback and nothing of the host's.
+    """
+    try:
+        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise HostError(f"cannot open the network namespace of pid {pid}: {e.strerror}") from e
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        # Safe: this thread only; it returns to its own namespace before anything else runs
+        _setns(target)
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        finally:
+            try:
+                _setns(own)
+            except OSError:
+                os.abort()
+    except OSError as e:
+        raise HostError(f"cannot enter the network namespace of pid {pid}: {e.strerror}") from e
+    finally:
+        os.close(own)
+        os.close(target)
+    return sock

@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -51,11 +52,13 @@ from corral.node.host import NodeHost, Parts, open_host
 from corral.node.lifecycle import Lifecycle
 from corral.node.metrics import PhaseTimer
 from corral.node.pause import Pauser
+from corral.node.ports import connect_port
 from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
 from corral.node.snapshot import Snapshots
 from corral.node.stats import Observer
-from corral.ops import NodeOps
+from corral.node.watch import WatchHub
+from corral.ops import DirWatch, NodeOps, PortOps, WatchOps
 from corral.spec import (
     CallRequest,
     CallResult,
@@ -128,6 +131,7 @@ class Node:
         )
         self.execs = Execs(self.life, self.table, self.state, self.security, config.id_count)
         self.files = FileOps(self.life, self.table, self.state)
+        self.watches = WatchHub()
         self.snapshots = Snapshots(
             self.life, self.table, self.pauser, self.state, self.store, self.scratch
         )
@@ -205,6 +209,7 @@ class Node:
         if self.life.closed:
             return
         self.life.closed = True
+        self.watches.close()
         await self.fncall.close()
         await self.execs.detach_shells()
         await self.reaper.stop()
@@ -397,6 +402,22 @@ class Node:
         """An interactive terminal (see :class:`corral.ops.PtyStream`)."""
         return await self.execs.pty(sandbox_id, req)
 
+    async def port_connect(self, sandbox_id: str, port: int) -> socket.socket:
+        """A socket connected to ``127.0.0.1:port`` in the sandbox (see
+        :class:`corral.ops.PortOps`): the port proxy's way in."""
+        info = self.life.active(sandbox_id)  # a paused sandbox wakes, as for any request
+        return await connect_port(self.table, info, sandbox_id, port)
+
+    def port_hold(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
+        """Busy while a port connection is open (see :class:`corral.ops.PortOps`)."""
+        return self.table.working(sandbox_id)
+
+    async def file_watch(self, sandbox_id: str, path: str, recursive: bool = False) -> DirWatch:
+        """Watch a directory of the sandbox with inotify (see :mod:`corral.node.watch`)."""
+        info = self.life.active(sandbox_id)
+        fs = self.life.backend_of(info).files(sandbox_id)
+        return await self.watches.watch(fs, path, recursive)
+
     async def spawn(self, sandbox_id: str, req: ExecRequest) -> ProcessInfo:
         return await self.execs.spawn(sandbox_id, req)
 
@@ -535,4 +556,10 @@ class Node:
 if TYPE_CHECKING:  # mypy checks the node against the operations interface
 
     def _conforms(n: Node) -> NodeOps:
+        return n
+
+    def _has_ports(n: Node) -> PortOps:
+        return n
+
+    def _has_watches(n: Node) -> WatchOps:
         return n

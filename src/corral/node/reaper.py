@@ -25,7 +25,7 @@ from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
 from corral.node.stats import Observer
 from corral.node.table import SandboxTable
-from corral.node.watch import SAMPLE, Deadlines, DeathWatch, next_deadline
+from corral.node.deadlines import SAMPLE, Deadlines, DeathWatch, next_deadline
 from corral.spec import SandboxInfo
 
 __all__ = ["Reaper"]

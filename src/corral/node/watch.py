@@ -1,171 +1,212 @@
-"""What the reaper needs to know without looking at every sandbox on every pass.
+"""Directory watches in sandboxes: inotify on the sandbox's root, one instance per node.
 
-The reaper used to ask every live sandbox's backend "alive?" once per second (a state
-file read, a JSON parse and a /proc read each: ~0.3 s of the event loop per second at
-3,200 sandboxes, the exec latency growing with them) and to compare every sandbox's
-TTL and idle clock. Both are O(live) per pass. Here:
+A watch is added on the directory's inode, found inside the sandbox's root with the same
+confined resolution as the files API (:meth:`corral.backends.files.SandboxFS.add_watch`),
+so a guest path can never name a host directory or another sandbox's, and every event is
+the kernel's account of a real change: the guest can cause events, not forge them. The
+files API's own temporary names (``.corral-tmp-*``, renamed over the target by a write)
+are left out, so a write through the API reads as one ``create`` of the target.
 
-* :class:`DeathWatch` holds a pidfd of each sandbox's main process (the init, the VMM) in
-  the event loop's epoll: the kernel makes it readable when the process exits, so a
-  death costs one callback when it happens and nothing meanwhile. A sandbox whose pid
-  cannot be watched (no pid, out of fds, a backend whose pid is not its life) is still
-  covered by a bounded round-robin slice of ``alive()`` checks per pass
-  (:meth:`DeathWatch.sample`), a safety net for deaths a pid does not show.
-* :class:`Deadlines` is a heap of the next moment each sandbox with a TTL, idle pause or
-  idle timeout needs a look. A pass pops only what is due; activity does not touch the
-  heap: a popped idle deadline is recomputed from the last activity and pushed again.
-  One live heap entry per sandbox (``_armed``), so re-arming never piles up entries.
+Bounds, so that a guest churning files cannot hurt the node: one inotify instance for
+all watches (root's instance limit is host-wide), at most ``MAX_DIRS`` directories per
+recursive watch, at most ``MAX_QUEUED`` undelivered events per watch (later ones are
+dropped and counted), and repeats of the event just queued are merged. A subdirectory
+renamed inside a recursive watch keeps reporting under its old name.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
+import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator
+from typing import Any
 
-from corral.spec import SandboxInfo
+from corral.errors import InvalidRequest
+from corral.host import inotify as ino
+from corral.ops import FileEvent
 
-__all__ = ["DeathWatch", "Deadlines", "next_deadline", "SAMPLE"]
+__all__ = ["WatchHub", "DirWatch", "MAX_DIRS", "MAX_QUEUED"]
 
-log = logging.getLogger("corral.node")
+log = logging.getLogger("corral.node.watch")
 
-SAMPLE = 32
-"""Sandboxes whose ``alive()`` a pass checks besides the ones a pidfd reported: at one
-pass a second, every sandbox of a 3,200 node is looked at every 100 s."""
+MAX_DIRS = 1024
+MAX_QUEUED = 4096
+_TMP_PREFIX = ".corral-tmp-"
+_MASK = (
+    ino.IN_CREATE | ino.IN_MOVED_TO | ino.IN_MODIFY | ino.IN_DELETE | ino.IN_MOVED_FROM
+    | ino.IN_ATTRIB | ino.IN_DELETE_SELF | ino.IN_MOVE_SELF | ino.IN_ONLYDIR
+)  # fmt: skip
 
 
-class DeathWatch:
-    """Pidfds of the sandboxes' main processes, read by the event loop."""
+def kind_of(mask: int) -> str | None:
+    """E2B's (Go fsnotify's) names: a move in is a create, a move out a rename."""
+    if mask & (ino.IN_CREATE | ino.IN_MOVED_TO):
+        return "create"
+    if mask & ino.IN_MODIFY:
+        return "write"
+    if mask & ino.IN_DELETE:
+        return "remove"
+    if mask & ino.IN_MOVED_FROM:
+        return "rename"
+    if mask & ino.IN_ATTRIB:
+        return "chmod"
+    return None
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop
-        self._fds: dict[str, int] = {}
-        self._dead: set[str] = set()
-        self._ring: dict[str, None] = {}  # insertion-ordered: the round-robin order
 
-    def watch(self, sandbox_id: str, pid: int | None) -> None:
-        """Track ``sandbox_id`` (idempotent); with a pid, be told when it exits."""
-        self._ring.setdefault(sandbox_id, None)
-        if not pid or sandbox_id in self._fds or pid == os.getpid():
+class DirWatch:
+    """Events of one watched directory, as an async iterator until the directory (or the
+    sandbox) goes or ``close`` is called."""
+
+    def __init__(self, hub: WatchHub, fs: Any, path: str, recursive: bool) -> None:
+        self._hub, self._fs, self.path, self.recursive = hub, fs, path.rstrip("/") or "/", recursive
+        self._queue: asyncio.Queue[FileEvent | None] = asyncio.Queue()
+        self._last: FileEvent | None = None
+        self.wds: dict[int, str] = {}  # watch descriptor -> directory relative to ``path``
+        self.dropped = 0
+        self.closed = False
+
+    def put(self, ev: FileEvent | None) -> None:
+        if self.closed:
             return
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._dead.add(sandbox_id)  # gone before we looked: the next pass checks it
+        if ev is None:
+            self.closed = True
+        elif ev == self._last and not self._queue.empty():
+            return  # the same event again before the reader caught up: merged
+        elif self._queue.qsize() >= MAX_QUEUED:
+            self.dropped += 1
             return
-        except OSError as e:  # EMFILE, or a kernel without pidfds: the ring covers it
-            log.debug("no pidfd for sandbox %s (pid %d): %s", sandbox_id, pid, e)
-            return
-        try:
-            loop = self._loop or asyncio.get_running_loop()
-            loop.add_reader(fd, self._exited, sandbox_id)
-        except Exception:
-            os.close(fd)  # no loop to read it (a synchronous caller): the ring covers it
-            return
-        self._fds[sandbox_id] = fd
+        self._last = ev
+        self._queue.put_nowait(ev)
 
-    def _exited(self, sandbox_id: str) -> None:
-        self._close(sandbox_id)
-        self._dead.add(sandbox_id)
+    def __aiter__(self) -> AsyncIterator[FileEvent]:
+        return self._events()
 
-    def _close(self, sandbox_id: str) -> None:
-        fd = self._fds.pop(sandbox_id, None)
-        if fd is not None:
-            loop = self._loop or asyncio.get_running_loop()
-            loop.remove_reader(fd)
-            os.close(fd)
-
-    def forget(self, sandbox_id: str) -> None:
-        """The sandbox is gone: drop its pidfd and marks."""
-        self._close(sandbox_id)
-        self._dead.discard(sandbox_id)
-        self._ring.pop(sandbox_id, None)
+    async def _events(self) -> AsyncIterator[FileEvent]:
+        while True:
+            ev = await self._queue.get()
+            if ev is None:
+                return
+            yield ev
 
     def close(self) -> None:
-        for sid in list(self._fds):
-            self._close(sid)
+        """Stop watching (idempotent); the iterator ends."""
+        self._hub.remove(self)
+        self.put(None)
 
-    def reported(self) -> list[str]:
-        """Sandboxes whose process exited since they were last taken (kept until
-        :meth:`settled`: a busy or paused one is looked at again on a later pass)."""
-        return list(self._dead)
-
-    def settled(self, sandbox_id: str) -> None:
-        self._dead.discard(sandbox_id)
-
-    def sample(self, n: int = SAMPLE) -> list[str]:
-        """The next ``n`` tracked sandboxes in round-robin order: O(n), not O(live). The
-        ring is an insertion-ordered dict; a taken sandbox moves to its end."""
-        out: list[str] = []
-        for _ in range(min(n, len(self._ring))):
-            sid = next(iter(self._ring))
-            del self._ring[sid]
-            self._ring[sid] = None
-            out.append(sid)
-        return out
-
-    @property
-    def watched(self) -> int:
-        """Sandboxes with a pidfd in the loop (for tests and status)."""
-        return len(self._fds)
+    def guest_path(self, rel: str) -> str:
+        return self.path if not rel else f"{self.path.rstrip('/')}/{rel}"
 
 
-def next_deadline(info: SandboxInfo) -> float | None:
-    """When ``info`` next needs the reaper: its TTL, and for a running one the end of its
-    idle pause or idle timeout counted from its last activity; None if never."""
-    times = []
-    if info.expires_at:
-        times.append(info.expires_at)
-    if info.state == "running":
-        for idle in (info.spec.idle_pause, info.spec.idle_timeout):
-            if idle:
-                times.append(info.last_active_at + idle)
-    return min(times) if times else None
-
-
-class Deadlines:
-    """A lazy heap of (when, sandbox) with one live entry per sandbox."""
+class WatchHub:
+    """The node's inotify instance and who listens to which watch descriptor."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, str]] = []
-        self._armed: dict[str, float] = {}
+        self._fd: int | None = None
+        self._subs: dict[int, list[tuple[DirWatch, str]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def arm(self, sandbox_id: str, when: float | None) -> None:
-        """Look at ``sandbox_id`` no later than ``when`` (an earlier arming stands)."""
-        if when is None:
+    def _instance(self) -> int:
+        if self._fd is None:
+            self._fd = ino.init()
+            asyncio.get_running_loop().add_reader(self._fd, self._readable)
+        return self._fd
+
+    async def watch(self, fs: Any, path: str, recursive: bool) -> DirWatch:
+        """Start watching ``path`` of the sandbox whose files are ``fs``."""
+        if not hasattr(fs, "add_watch"):
+            raise InvalidRequest("this backend's files cannot be watched with inotify")
+        fd = self._instance()
+        w = DirWatch(self, fs, path, recursive)
+        await self._add(w, "", fd)
+        if recursive:
+            await self._add_tree(w, "", fd)
+        return w
+
+    async def _add(self, w: DirWatch, rel: str, fd: int) -> None:
+        wd = await asyncio.to_thread(w._fs.add_watch, fd, w.guest_path(rel), _MASK)
+        if w.closed:
+            self._drop(wd, w)
             return
-        cur = self._armed.get(sandbox_id)
-        if cur is not None and cur <= when:
+        w.wds[wd] = rel
+        self._subs.setdefault(wd, []).append((w, rel))
+
+    async def _add_tree(self, w: DirWatch, rel: str, fd: int) -> None:
+        """Watch the subdirectories below ``rel`` (breadth first, up to MAX_DIRS)."""
+        todo = [rel]
+        while todo and not w.closed:
+            here = todo.pop(0)
+            try:
+                entries = await asyncio.to_thread(w._fs.list, w.guest_path(here))
+            except Exception:
+                continue  # gone meanwhile
+            for st in entries:
+                if st.type != "dir" or len(w.wds) >= MAX_DIRS:
+                    continue
+                sub = f"{here}/{st.name}" if here else st.name
+                with contextlib.suppress(Exception):
+                    await self._add(w, sub, fd)
+                    todo.append(sub)
+
+    def _drop(self, wd: int, w: DirWatch) -> None:
+        subs = [s for s in self._subs.get(wd, []) if s[0] is not w]
+        if subs:
+            self._subs[wd] = subs
             return
-        self._armed[sandbox_id] = when
-        heapq.heappush(self._heap, (when, sandbox_id))
+        self._subs.pop(wd, None)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                ino.rm_watch(self._fd, wd)
 
-    def forget(self, sandbox_id: str) -> None:
-        if self._armed.pop(sandbox_id, None) is not None and len(self._heap) > 64 + 2 * len(
-            self._armed
-        ):
-            # Entries of forgotten sandboxes wait in the heap until their time (a day's
-            # TTL): rebuild once they are half of it, O(1) amortised per forget.
-            self._heap = [(w, sid) for sid, w in self._armed.items()]
-            heapq.heapify(self._heap)
+    def remove(self, w: DirWatch) -> None:
+        for wd in list(w.wds):
+            self._drop(wd, w)
+        w.wds.clear()
 
-    def due(self, now: float) -> list[str]:
-        """Sandboxes whose deadline is at or before ``now``, taken off the heap (the caller
-        re-arms the ones that still have a deadline)."""
-        out = []
-        while self._heap and self._heap[0][0] <= now:
-            when, sid = heapq.heappop(self._heap)
-            if self._armed.get(sid) == when:
-                del self._armed[sid]
-                out.append(sid)
-        return out
+    def _readable(self) -> None:
+        assert self._fd is not None
+        try:
+            buf = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return
+        for ev in ino.parse(buf):
+            if ev.mask & ino.IN_Q_OVERFLOW:
+                log.warning("inotify queue overflowed: some watch events were lost")
+                continue
+            if ev.mask & ino.IN_IGNORED:
+                for w, rel in self._subs.pop(ev.wd, []):
+                    w.wds.pop(ev.wd, None)
+                    if rel == "":
+                        w.close()  # the watched directory itself is gone
+                continue
+            kind = kind_of(ev.mask)
+            if kind is None or not ev.name or ev.name.startswith(_TMP_PREFIX):
+                continue
+            for w, rel in list(self._subs.get(ev.wd, [])):
+                w.put(FileEvent(f"{rel}/{ev.name}" if rel else ev.name, kind))
+                new_dir = ev.mask & ino.IN_ISDIR and ev.mask & (ino.IN_CREATE | ino.IN_MOVED_TO)
+                if w.recursive and new_dir and len(w.wds) < MAX_DIRS:
+                    sub = f"{rel}/{ev.name}" if rel else ev.name
+                    task = asyncio.get_running_loop().create_task(self._add_new(w, sub))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
 
-    def __len__(self) -> int:
-        return len(self._armed)
+    async def _add_new(self, w: DirWatch, sub: str) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._add(w, sub, self._fd)
+            await self._add_tree(w, sub, self._fd)
 
-
-def rearm_all(deadlines: Deadlines, infos: list[SandboxInfo]) -> None:
-    """Arm every sandbox (once, at start: the ones adopted before the reaper ran)."""
-    for info in infos:
-        deadlines.arm(info.id, next_deadline(info))
+    def close(self) -> None:
+        """End every watch and close the instance (the node is closing)."""
+        for subs in list(self._subs.values()):
+            for w, _ in subs:
+                w.put(None)
+        self._subs.clear()
+        if self._fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None

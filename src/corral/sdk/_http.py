@@ -8,6 +8,7 @@ file contents and tar archives, and NDJSON for streaming exec. Errors come back 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ from corral.spec import (
 )
 
 if TYPE_CHECKING:
+    from corral.sdk._ports import PortEndpoint
     from corral.sdk._ws import PtySession
 
 __all__ = ["HTTPOps", "parse_target"]
@@ -84,6 +86,14 @@ def parse_target(target: str) -> tuple[str, str]:
         f"target {target!r} is not understood; use unix:///path/to/api.sock or "
         "http://host:port (None means the embedded node)"
     )
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _params(**kv: Any) -> dict[str, Any]:
@@ -499,6 +509,31 @@ class HTTPOps(NodeOps):
         from corral.sdk._ws import pty_session
 
         return pty_session(self._kind, self._where, sandbox_id, req, token=self._token)
+
+    # ------------------------------------------------------------- ports
+    def port_endpoint(self, sandbox_id: str, port: int) -> PortEndpoint:
+        """Where the node's port proxy serves ``port`` of ``sandbox_id`` (no request made;
+        see :class:`corral.sdk.Ports`). The access token is the sandbox's own
+        (``HMAC(node token, id)``), computed here from the node's token."""
+        from corral.integrations.e2b._common import envd_token
+        from corral.sdk._ports import PortEndpoint
+
+        path = f"/sandboxes/{quote(sandbox_id, safe='')}/ports/{port}/"
+        own = envd_token(self._token, sandbox_id)
+        headers = {"X-Access-Token": own} if own else {}
+        if self._kind == "unix":
+            return PortEndpoint(
+                sandbox_id, port, "http://localhost" + path, None, headers, self._where
+            )
+        parts = urlsplit(self._where)
+        name, at = parts.hostname or "", f":{parts.port}" if parts.port else ""
+        if name in ("127.0.0.1", "::1", "localhost"):
+            name = "localhost"  # *.localhost resolves to loopback
+        elif _is_ip(name):
+            name = ""  # an address has no subdomains: no host form
+        host_url = f"{parts.scheme}://{port}-{sandbox_id}.{name}{at}/" if name else None
+        url = self._where.rstrip("/") + path
+        return PortEndpoint(sandbox_id, port, url, host_url, headers)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from corral.errors import InvalidRequest, NotFound, SandboxError
 from corral.ops import NodeOps, PtyStream
 from corral.sdk._network import Network
+from corral.sdk._ports import Ports
 from corral.spec import (
     Event,
     ExecChunk,
@@ -112,7 +113,7 @@ class Sandbox:
     ``async with sb:`` destroys the sandbox when the block ends.
     """
 
-    __slots__ = ("_ops", "_info", "_files", "_network")
+    __slots__ = ("_ops", "_info", "_files", "_network", "_ports")
 
     def __init__(self, ops: NodeOps, info: SandboxInfo, _key: object = None) -> None:
         _check_key(_key, "Sandbox")
@@ -120,6 +121,7 @@ class Sandbox:
         self._info = info
         self._files = Files(ops, info.id, _KEY)
         self._network = Network(ops, info.id, self._set_info)
+        self._ports = Ports(ops, info.id)
 
     def _set_info(self, info: SandboxInfo) -> None:
         self._info = info
@@ -149,6 +151,11 @@ class Sandbox:
     def network(self) -> Network:
         """Egress policy, changeable while the sandbox runs (``await sb.network.update(...)``)."""
         return self._network
+
+    @property
+    def ports(self) -> Ports:
+        """Servers the guest runs, reached through the node (``await sb.ports.expose(8000)``)."""
+        return self._ports
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, image={self._info.image!r}, state={self._info.state!r})"

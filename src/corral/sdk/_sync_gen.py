@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from corral.sdk._client import Images, Sandboxes
     from corral.sdk._fncall import FnCall, Progress
     from corral.sdk._network import Network
+    from corral.sdk._ports import PortEndpoint, Ports
     from corral.sdk._sandbox import ExecStream, Files, Process, Sandbox, Shell
     from corral.spec import (
         CallLimits,
@@ -61,6 +62,7 @@ __all__ = [
     "BlockingRemoteJob",
     "BlockingFiles",
     "BlockingNetwork",
+    "BlockingPorts",
     "BlockingExecStream",
     "BlockingProcess",
     "BlockingPtyStream",
@@ -483,6 +485,12 @@ class BlockingSandbox(_Handle):
         value = self._obj.network
         return BlockingNetwork(value, self._portal)
 
+    @property
+    def ports(self) -> BlockingPorts:
+        """Servers the guest runs, reached through the node (``sb.ports.expose(8000)``)."""
+        value = self._obj.ports
+        return BlockingPorts(value, self._portal)
+
     def refresh(self) -> SandboxInfo:
         return self._portal.call(self._obj.refresh())
 
@@ -800,6 +808,29 @@ class BlockingNetwork(_Handle):
     def policy(self) -> NetworkPolicy:
         """The policy in force now (asks the node)."""
         return self._portal.call(self._obj.policy())
+
+
+class BlockingPorts(_Handle):
+    """Blocking ``corral.sdk._ports.Ports``: the same API, no ``await``.
+
+    Ports of one sandbox (see the module doc).
+
+    Example:
+        >>> sb.spawn("python3 -m http.server 8000 --bind 127.0.0.1")  # doctest: +SKIP
+        >>> ep = sb.ports.expose(8000)                                 # doctest: +SKIP
+        >>> httpx.get(ep.url, headers=ep.headers).status_code                # doctest: +SKIP
+        200
+    """
+
+    __slots__ = ()
+    _obj: Ports
+
+    def expose(self, port: int) -> PortEndpoint:
+        """The URLs and headers that reach ``port`` of this sandbox through the node's
+        HTTP server. InvalidRequest for a port outside 1-65535 or a client that does not
+        talk to a node over HTTP (an embedded node has no address to name).
+        """
+        return self._portal.call(self._obj.expose(port))
 
 
 class BlockingExecStream(_Handle):

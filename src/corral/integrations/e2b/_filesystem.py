@@ -2,10 +2,13 @@
 
 Stat, list and remove go through the files API (the node reads the sandbox's tree with
 the path confined to it). ``MakeDir`` and ``Move`` run ``mkdir``/``mv`` as the calling
-user, so ownership and permissions are what E2B gives. ``WatchDir`` polls the files API
-(every ``poll`` seconds) and reports the differences: the guest can only make events by
-changing files, never forge them, at the price of missing changes undone within one poll
-and of reporting a change of a file's size or mtime as one ``write``.
+user, so ownership and permissions are what E2B gives.
+
+``WatchDir`` and the polled watchers use the node's inotify watches where the operations
+object has them (:class:`corral.ops.WatchOps`, see :mod:`corral.node.watch`): the kernel's
+events of the sandbox's own directory, which the guest can cause but never forge. Over
+anything else they poll the files API (every ``poll`` seconds) and report differences,
+missing changes undone within one poll.
 """
 
 from __future__ import annotations
@@ -26,10 +29,19 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from corral.errors import CorralError, NotFound, SandboxNotFound
 from corral.integrations.e2b._common import E2BConfig, guest_path
 from corral.integrations.e2b._rpc import connect_error, oneof, request_user, sandbox_of
-from corral.ops import NodeOps
+from corral.ops import DirWatch, FileEvent, NodeOps, WatchOps
 from corral.spec import ExecRequest, FileStat
 
 _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY}
+_EVENTS = {
+    "create": pb.EventType.CREATE,
+    "write": pb.EventType.WRITE,
+    "remove": pb.EventType.REMOVE,
+    "rename": pb.EventType.RENAME,
+    "chmod": pb.EventType.CHMOD,
+}
+_KEEPALIVE = 30.0
+_MAX_PENDING = 4096  # events a polled watcher holds between two GetWatcherEvents
 _KINDS = {"file": statmod.S_IFREG, "dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}
 
 
@@ -62,6 +74,8 @@ class FilesystemService(Filesystem):
         self.config = config
         self.poll = poll
         self._watchers: dict[str, tuple[str, str, bool, dict[str, FileStat], list[Any]]] = {}
+        self._kernel: dict[str, tuple[str, DirWatch, list[FileEvent], asyncio.Task[None]]] = {}
+        self._kernel_paths: dict[str, str] = {}
         self._ids = itertools.count(1)
 
     def _where(self, path: str, ctx: RequestContext[Any, Any]) -> tuple[str, str, str]:
@@ -198,6 +212,10 @@ class FilesystemService(Filesystem):
         st = await self._stat(sid, path)
         if st.type != "dir":
             raise ConnectError(Code.INVALID_ARGUMENT, f"path {path!r} is not a directory")
+        if isinstance(self.ops, WatchOps):
+            async for item in self._watch_kernel(sid, path, request):
+                yield item
+            return
         seen = await self._snapshot(sid, path, request.recursive)
         yield pb.WatchDirResponse(event=oneof("start", pb.WatchDirResponse.StartEvent()))
         ticks = 0
@@ -215,10 +233,72 @@ class FilesystemService(Filesystem):
                 ticks = 0
                 yield pb.WatchDirResponse(event=oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
 
+    async def _start_watch(self, sid: str, path: str, recursive: bool) -> DirWatch:
+        assert isinstance(self.ops, WatchOps)
+        try:
+            return await self.ops.file_watch(sid, path, recursive)
+        except CorralError as exc:
+            raise connect_error(exc) from None
+
+    async def _event(self, sid: str, path: str, ev: FileEvent, entry: bool) -> pb.FilesystemEvent:
+        info = None
+        if entry and ev.kind not in ("remove", "rename"):
+            try:
+                info = entry_of(await self.ops.file_stat(sid, f"{path.rstrip('/')}/{ev.name}"))
+            except CorralError:
+                pass  # gone again already
+        return pb.FilesystemEvent(name=ev.name, type=_EVENTS[ev.kind], entry=info)
+
+    async def _watch_kernel(
+        self, sid: str, path: str, request: pb.WatchDirRequest
+    ) -> AsyncIterator[pb.WatchDirResponse]:
+        """The stream over a node's inotify watch; a pump task moves events to a queue so
+        that waiting for the next one can time out (for keepalives) without harm."""
+        w = await self._start_watch(sid, path, request.recursive)
+        queue: asyncio.Queue[FileEvent | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ev in w:
+                    queue.put_nowait(ev)
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.create_task(pump())
+        try:
+            yield pb.WatchDirResponse(event=oneof("start", pb.WatchDirResponse.StartEvent()))
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), _KEEPALIVE)
+                except TimeoutError:
+                    keep = pb.WatchDirResponse.KeepAlive()
+                    yield pb.WatchDirResponse(event=oneof("keepalive", keep))
+                    continue
+                if ev is None:
+                    return
+                fe = await self._event(sid, path, ev, request.include_entry)
+                yield pb.WatchDirResponse(event=oneof("filesystem", fe))
+        finally:
+            w.close()
+            task.cancel()
+
     async def create_watcher(
         self, request: pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> pb.CreateWatcherResponse:
         sid, _, path = self._where(request.path, ctx)
+        if isinstance(self.ops, WatchOps):
+            w = await self._start_watch(sid, path, request.recursive)
+            pending: list[FileEvent] = []
+
+            async def collect() -> None:
+                async for ev in w:
+                    if len(pending) < _MAX_PENDING:
+                        pending.append(ev)
+
+            kid = f"w{next(self._ids)}"
+            self._kernel[kid] = (sid, w, pending, asyncio.create_task(collect()))
+            self._kernel_paths[kid] = path
+            return pb.CreateWatcherResponse(watcher_id=kid)
         snap = await self._snapshot(sid, path, request.recursive)
         wid = f"w{next(self._ids)}"
         self._watchers[wid] = (sid, path, request.recursive, snap, [])
@@ -227,6 +307,14 @@ class FilesystemService(Filesystem):
     async def get_watcher_events(
         self, request: pb.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
     ) -> pb.GetWatcherEventsResponse:
+        k = self._kernel.get(request.watcher_id)
+        if k is not None and k[0] == sandbox_of(ctx):
+            got = list(k[2])
+            k[2].clear()
+            path = self._kernel_paths[request.watcher_id]
+            return pb.GetWatcherEventsResponse(
+                events=[await self._event(k[0], path, ev, True) for ev in got]
+            )
         w = self._watchers.get(request.watcher_id)
         if w is None or w[0] != sandbox_of(ctx):
             raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
@@ -239,6 +327,13 @@ class FilesystemService(Filesystem):
     async def remove_watcher(
         self, request: pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
     ) -> pb.RemoveWatcherResponse:
+        k = self._kernel.get(request.watcher_id)
+        if k is not None and k[0] == sandbox_of(ctx):
+            del self._kernel[request.watcher_id]
+            self._kernel_paths.pop(request.watcher_id, None)
+            k[1].close()
+            k[3].cancel()
+            return pb.RemoveWatcherResponse()
         w = self._watchers.get(request.watcher_id)
         if w is None or w[0] != sandbox_of(ctx):
             raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
