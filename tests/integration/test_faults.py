@@ -147,3 +147,135 @@ async def test_scratch_full(images_ready) -> None:  # type: ignore[no-untyped-de
             filler.unlink()
         await _shutdown(n)
     _assert_clean()
+
+
+# ---------------------------------------------------------------- the state database
+
+_LOCKER = r"""
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+db.execute("ROLLBACK")
+"""
+
+
+async def test_state_db_locked_by_another_process(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """An sqlite3 shell (here a helper process) holds a write transaction on state.db:
+    creates wait, then fail clearly; running sandboxes keep working; released, all works."""
+    n = await _fresh()
+    holder: subprocess.Popen[bytes] | None = None
+    try:
+        kept = await _Kept.make(n)
+        db = STATE / "state.db"
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _LOCKER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == b"locked\n"
+        with pytest.raises(HostError, match=r"state database .*state\.db is locked") as got:
+            await n.sandbox_create(_spec())
+        assert "fuser" in str(got.value)
+        assert len(n.table) == 1  # no ghost 'creating' entry left behind
+        await kept.check(n)  # exec and files need no write to the database
+        # a reaper pass writes activity stamps: it fails the same way (its loop logs it
+        # and goes on), and the node still serves the running sandbox after it
+        with pytest.raises(HostError, match="locked"):
+            await n.reaper.once()
+        await kept.check(n)
+        holder.stdin.close()  # type: ignore[union-attr]
+        assert holder.wait(timeout=30) == 0
+        holder = None
+        fresh = await n.sandbox_create(_spec())
+        assert {i.id for i in await n.sandbox_list()} == {kept.sid, fresh.id}
+        await kept.check(n)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        await _shutdown(n)
+    # every sandbox the node reported is in the database, nothing more
+    _assert_clean()
+
+
+_CRASHER = r"""
+import asyncio, os, signal, sys
+from corral.node import Node
+from corral.spec import Limits, SandboxSpec
+from tests.integration.test_faults import _cfg, SMALL
+
+async def main():
+    n = await Node.open(_cfg())
+    for _ in range(2):
+        info = await n.sandbox_create(SandboxSpec(image="test/busybox", limits=SMALL))
+        await n.file_write(info.id, "/tmp/kept.bin", info.id.encode() * 100)
+        print("created", info.id, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the agent dies with its last commits in the WAL
+
+asyncio.run(main())
+"""
+
+
+async def _crash_with_two() -> list[str]:
+    """An agent in a child process creates two sandboxes and is SIGKILLed."""
+    n = await _fresh()
+    await _shutdown(n)  # cleanly closed: the WAL is checkpointed and removed
+    assert not (STATE / "state.db-wal").exists()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CRASHER, cwd=REPO, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, out
+    ids = [ln.split()[1] for ln in out.decode().splitlines() if ln.startswith("created")]
+    assert len(ids) == 2, out
+    return ids
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+async def test_state_db_wal_lost_while_down(images_ready, damage: str) -> None:  # type: ignore[no-untyped-def]
+    """The WAL holding the last commits is removed or cut while the agent is down: the
+    next open refuses, naming the file, and destroys nothing; with the WAL restored it
+    adopts both sandboxes, files intact."""
+    ids = await _crash_with_two()
+    wal = STATE / "state.db-wal"
+    saved = STATE / "wal.saved"
+    shutil.copy(wal, saved)
+    try:
+        if damage == "removed":
+            wal.unlink()
+        else:
+            os.truncate(wal, wal.stat().st_size // 2)
+        for _ in range(2):
+            with pytest.raises(HostError, match=r"write-ahead log .*state\.db-wal") as got:
+                await Node.open(_cfg())
+            assert "state.db-shm" in str(got.value)
+        shutil.copy(saved, wal)
+    finally:
+        saved.unlink()
+    n = await Node.open(_cfg())
+    try:
+        assert sorted(i.id for i in await n.sandbox_list()) == sorted(ids)
+        for sid in ids:
+            assert await n.file_read(sid, "/tmp/kept.bin") == sid.encode() * 100
+            r = await n.exec(sid, ExecRequest(cmd=["echo", sid]))
+            assert r.stdout == sid.encode() + b"\n"
+    finally:
+        await _shutdown(n)
+    _assert_clean()
+
+
+async def test_state_db_wal_loss_accepted(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """The operator accepts the loss (removes the -shm as the refusal says): the node
+    opens on the older database and `gc` removes what it forgot, leaving nothing."""
+    await _crash_with_two()
+    (STATE / "state.db-wal").unlink()
+    (STATE / "state.db-shm").unlink()
+    n = await Node.open(_cfg())
+    try:
+        assert await n.sandbox_list() == []  # forgotten: their rows were in the WAL
+        removed = await n.gc(everything=True)
+        assert removed["cgroups"] + removed["subvols"] >= 2, removed
+    finally:
+        await _shutdown(n)
+    _assert_clean()
