@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from corral.errors import CorralError, HostError, ScratchFull
+from corral.errors import HostError, ScratchFull
 from corral.host import leaks
 from corral.node import Node
 from corral.spec import ExecRequest, Limits, SandboxSpec
-from tests.conftest import TAG, TEST_STORE
+from tests.conftest import TAG
 from tests.integration.conftest import node_config
 
 STATE = Path(f"/var/lib/corral-test{TAG}-flt")
@@ -278,4 +278,95 @@ async def test_state_db_wal_loss_accepted(images_ready) -> None:  # type: ignore
         assert removed["cgroups"] + removed["subvols"] >= 2, removed
     finally:
         await _shutdown(n)
+    _assert_clean()
+
+
+# ---------------------------------------------------------------- the layer store
+
+STORE = Path(f"/var/tmp/corral-test{TAG}-flt-store")
+
+
+def _make_store() -> tuple[str, str]:
+    """A throwaway local store with two small busybox images, flt/ok and flt/other."""
+    from corral.images.store import LayerStore
+
+    shutil.rmtree(STORE, ignore_errors=True)
+    store = LayerStore(STORE)
+    digests = []
+    for name in ("ok", "other"):
+        src = STORE / "tmp" / f"src-{name}"
+        for d in ("bin", "etc", "tmp", "root", "proc", "sys", "dev"):
+            (src / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy("/bin/busybox", src / "bin" / "busybox")
+        for applet in ("sh", "echo", "cat", "true", "wc"):
+            os.symlink("busybox", src / "bin" / applet)
+        (src / "etc" / "which").write_text(name + "\n")
+        layer = store.add_dir(src, kind="dir")
+        shutil.rmtree(src)
+        store.put_image(f"flt/{name}", [layer.digest])
+        digests.append(layer.digest)
+    return digests[0], digests[1]
+
+
+async def test_local_store_unreachable_or_damaged(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """The local store loses a layer file, then the whole directory, then holds a
+    truncated layer: each create of an image not yet mounted fails naming the layer or
+    the store; a sandbox already running (its layer mounted) is untouched; put back, the
+    same create works without a restart."""
+    from corral.errors import LayerCorrupt, LayerNotFound, StoreUnavailable
+    from corral.images.store import LayerStore
+
+    ok_digest, other_digest = _make_store()
+    layer = LayerStore(STORE).path_of(other_digest)
+    n = await Node.open(_cfg(store=STORE))
+    try:
+        await n.gc(everything=True)
+        running = await n.sandbox_create(_spec("flt/ok"))
+        await n.file_write(running.id, "/tmp/kept.bin", b"k" * 4096)
+
+        async def running_fine() -> None:
+            r = await n.exec(running.id, ExecRequest(cmd=["cat", "/etc/which"]))
+            assert r.stdout == b"ok\n"
+            assert await n.file_read(running.id, "/tmp/kept.bin") == b"k" * 4096
+
+        async def other_works() -> None:
+            sb = await n.sandbox_create(_spec("flt/other"))
+            r = await n.exec(sb.id, ExecRequest(cmd=["cat", "/etc/which"]))
+            assert r.stdout == b"other\n"
+            await n.sandbox_destroy(sb.id)
+
+        # 1. the layer file removed
+        aside = STORE / "aside.erofs"
+        layer.rename(aside)
+        with pytest.raises(LayerNotFound, match=other_digest) as got:
+            await n.sandbox_create(_spec("flt/other"))
+        assert str(STORE) in str(got.value)
+        await running_fine()
+        aside.rename(layer)
+        await other_works()
+        # 2. the whole store directory gone (an unmounted share, a renamed dir)
+        gone = STORE.with_name(STORE.name + "-gone")
+        STORE.rename(gone)
+        try:
+            with pytest.raises(StoreUnavailable, match=f"layer store {STORE} is not there"):
+                await n.sandbox_create(_spec("flt/other"))
+            await running_fine()
+        finally:
+            gone.rename(STORE)
+        await other_works()
+        # 3. a truncated layer file: the first mount refuses it by its digest
+        saved = layer.read_bytes()
+        os.truncate(layer, len(saved) // 2)
+        try:
+            with pytest.raises(LayerCorrupt, match=other_digest):
+                await n.sandbox_create(_spec("flt/other"))
+            await running_fine()
+        finally:
+            layer.write_bytes(saved)
+        await other_works()
+        assert [i.id for i in await n.sandbox_list()] == [running.id]
+        assert set(n.backend.layers.mounted()) == {ok_digest}
+    finally:
+        await _shutdown(n)
+        shutil.rmtree(STORE, ignore_errors=True)
     _assert_clean()
