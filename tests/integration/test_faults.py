@@ -370,3 +370,137 @@ async def test_local_store_unreachable_or_damaged(images_ready) -> None:  # type
         await _shutdown(n)
         shutil.rmtree(STORE, ignore_errors=True)
     _assert_clean()
+
+
+# ---------------------------------------------------------------- missing binaries
+
+
+def _path_without(tmp: Path, *missing: str) -> str:
+    """A PATH of one directory holding links to every program of the usual PATH but
+    ``missing``: the host as if those packages were not installed."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    for d in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        if not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            link = tmp / name
+            if name in missing or link.exists() or link.is_symlink():
+                continue
+            os.symlink(os.path.join(d, name), link)
+    return str(tmp)
+
+
+async def test_oci_runtime_missing(images_ready, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Neither crun nor runc on PATH: the node refuses to start, naming both and the
+    Debian packages; the sandboxes of the earlier agent keep running and are adopted
+    once the runtime is back."""
+    n = await _fresh()
+    kept = await _Kept.make(n)
+    await n.close()  # the agent goes; its sandboxes keep running
+    with monkeypatch.context() as m:
+        m.setenv("PATH", _path_without(tmp_path / "bin", "runc", "crun"))
+        with pytest.raises(HostError) as got:
+            await Node.open(_cfg())
+    text = str(got.value)
+    assert "runc" in text and "crun" in text and "apt-get install" in text, text
+    n = await Node.open(_cfg())
+    try:
+        assert [i.id for i in await n.sandbox_list()] == [kept.sid]
+        await kept.check(n)
+    finally:
+        await _shutdown(n)
+    _assert_clean()
+
+
+_BUILD = r"""
+import sys
+from pathlib import Path
+from corral.errors import CorralError
+from corral.images import build
+from corral.images.store import LayerStore
+try:
+    build.build_dir(LayerStore(Path(sys.argv[1])), Path(sys.argv[2]))
+except CorralError as e:
+    print(type(e).__name__, e)
+else:
+    print("built")
+"""
+
+
+def test_mkfs_erofs_missing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A layer build without mkfs.erofs on PATH fails naming it and erofs-utils; with it
+    back the same build works (a new process: the erofs-utils version is cached)."""
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "hello").write_text("hi\n")
+    store = tmp_path / "store"
+    env = {**os.environ, "PATH": _path_without(tmp_path / "bin", "mkfs.erofs")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    argv = [sys.executable, "-c", _BUILD, str(store), str(src)]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.stdout.startswith("HostError"), (r.stdout, r.stderr[-2000:])
+    assert "mkfs.erofs" in r.stdout and "erofs-utils" in r.stdout, r.stdout
+    env["PATH"] = os.environ["PATH"]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.stdout.strip() == "built", (r.stdout, r.stderr[-2000:])
+
+
+# ---------------------------------------------------------------- the clock jumps
+
+
+class _JumpedClock:
+    """``time`` as the reaper sees it after the wall clock jumped ``offset`` s forward.
+
+    The reaper compares ``time.time()`` with each sandbox's ``expires_at`` (wall time, so
+    that a TTL survives an agent restart). A time namespace cannot move CLOCK_REALTIME,
+    and setting the host's clock would move it for everyone on the machine, so the jump is
+    a stand-in for the reaper module's ``time`` (no seam in the node's code)."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+async def test_clock_jumps_past_ttls(images_ready, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The wall clock jumps an hour: sandboxes whose TTL (or idle timeout) passed are
+    reaped exactly once, paused ones included; the others are untouched."""
+    from corral.node import reaper as reaper_mod
+
+    n = await _fresh()
+    try:
+        mark = n.state.last_event_id()
+        short = await n.sandbox_create(_spec(ttl=600))
+        short_paused = await n.sandbox_create(_spec(ttl=600))
+        await n.sandbox_pause(short_paused.id)
+        idle = await n.sandbox_create(_spec(idle_timeout=1800))
+        long = await _Kept.make(n)  # no TTL
+        longer = await n.sandbox_create(_spec(ttl=86400))
+        monkeypatch.setattr(reaper_mod, "time", _JumpedClock(3600))
+        doomed = {short.id, short_paused.id, idle.id}
+        deadline = time.monotonic() + 60
+        while doomed & {i.id for i in await n.sandbox_list()}:
+            assert time.monotonic() < deadline, "the reaper never took the expired ones"
+            await asyncio.sleep(0.05)
+        for _ in range(3):  # more passes with the clock still ahead: nothing more happens
+            await n.reaper.once()
+        assert {i.id for i in await n.sandbox_list()} == {long.sid, longer.id}
+        events = [e for e in n.state.events(since_id=mark) if e.sandbox_id in doomed]
+        ends = sorted((e.sandbox_id, e.kind) for e in events if e.kind in _ENDS)
+        assert ends == sorted(
+            [(short.id, "ttl_expired"), (short_paused.id, "ttl_expired"), (idle.id, "idle_timeout")]
+        ), ends
+        await long.check(n)
+        r = await n.exec(longer.id, ExecRequest(cmd=["true"]))
+        assert r.exit_code == 0
+    finally:
+        monkeypatch.undo()
+        await _shutdown(n)
+    _assert_clean()
+
+
+_ENDS = {"ttl_expired", "idle_timeout", "destroyed", "destroy_error", "died", "lost"}
