@@ -70,7 +70,7 @@ except OSError as e:
     print("fds", len(fds), e, flush=True)
 time.sleep(3600)
 """
-_MEMORY = "b = []\nwhile True: b.append(bytearray(16 << 20))\n"
+_MEMORY = 'b = []\nwhile True: b.append(b"x" * (16 << 20))\n'
 
 ATTACKS: dict[str, str] = {
     "fork_bomb": "a shell function that forks itself twice, forever (the pids limit stops it)",
@@ -137,7 +137,9 @@ async def _start_attack(sb: Sandbox, name: str, seconds: float) -> list[asyncio.
     elif name == "memory_bomb":
         await sb.spawn(["sh", "-c", f"while :; do python3 -c '{_MEMORY}'; done"])
     elif name == "disk_fill":
-        await sb.spawn(["sh", "-c", "while :; do yes > /tmp/fill; sleep 0.05; done"])
+        await sb.spawn(
+            ["sh", "-c", "yes > /tmp/fill; while :; do yes >> /tmp/fill; sleep 0.05; done"]
+        )
     elif name == "output_flood":
         return [
             asyncio.create_task(sb.exec(["yes"], timeout=seconds + 5, output_limit="64MiB"))
@@ -219,7 +221,57 @@ async def _harm(bystander: Sandbox, neighbour: Sandbox, digest: str) -> list[str
     return harmed
 
 
+async def _effect(node: Any, attacker: Sandbox) -> dict[str, Any]:
+    """Evidence that the attack bit: the attacker's kernel counters (OOM kills, forks
+    refused at its pids limit, bytes on its disk) and how many processes it has."""
+    info = node.table.get(attacker.id)
+    if info is None:
+        return {}
+    m = node.life.backend_of(info).meters(attacker.id)
+    out: dict[str, Any] = {
+        "oom_kills": m.oom_kills,
+        "pids_refused": m.pids_refused,
+        "memory_resident": m.memory_resident,
+        "memory_swapped": m.memory_swapped,
+    }
+    with contextlib.suppress(Exception):
+        out["processes"] = node.cgroups.pids_current(attacker.id)
+    with contextlib.suppress(Exception):  # the quota's accounting lags: ask the file
+        r = await attacker.exec(["sh", "-c", "cat /tmp/fill 2>/dev/null | wc -c"], timeout=30)
+        out["fill_bytes"] = int(r.stdout or 0)
+    return out
+
+
+async def _bitten(node: Any, attacker: Sandbox, name: str) -> bool:
+    """Whether attack ``name`` is at full strength: the kernel refused or killed something
+    of it, its disk is full, or every one of its processes has exhausted what it took."""
+    if name == "fork_bomb":
+        return bool((await _effect(node, attacker)).get("pids_refused"))
+    if name == "memory_bomb":
+        return bool((await _effect(node, attacker)).get("oom_kills"))
+    if name == "disk_fill":
+        return (await _effect(node, attacker)).get("fill_bytes", 0) >= 32 << 20
+    if name in ("inotify", "fds"):
+        outs = [(await p.output())[0] for p in await attacker.processes()]
+        return sum(1 for o in outs if o) >= 8  # each printed how far it got
+    if name == "cpu_burn":
+        return (await _effect(node, attacker)).get("processes", 0) > (os.cpu_count() or 1)
+    return True  # the output flood is on from its first byte
+
+
+async def _until_bitten(node: Any, attacker: Sandbox, name: str, limit: float = 60) -> bool:
+    """Wait (up to ``limit`` s) until the attack is at full strength: the readiness
+    signal before its window is measured."""
+    deadline = time.monotonic() + limit
+    while not await _bitten(node, attacker, name):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
 async def _one_attack(
+    node: Any,
     client: AsyncClient,
     img: ImageInfo,
     name: str,
@@ -238,9 +290,12 @@ async def _one_attack(
     execs: list[asyncio.Task[Any]] = []
     try:
         execs = await _start_attack(attacker, name, seconds)
-        await asyncio.sleep(0.5)  # the attack at full strength before measuring
+        t0 = time.perf_counter()
+        res["bit"] = await _until_bitten(node, attacker, name)
+        res["ramp_s"] = round(time.perf_counter() - t0, 3)
         w = await _probe(client, neighbour, seconds)
         res["harmed"] = await _harm(bystander, neighbour, digest)
+        res["effect"] = await _effect(node, attacker)
     finally:
         t0 = time.perf_counter()
         try:
@@ -281,8 +336,9 @@ async def neighbours(
             # everything goes over the node's real HTTP API (a unix socket), as a trainer's
             # calls would: the API p99 includes the agent's HTTP stack, not only a method
             opts.run_dir.mkdir(parents=True, exist_ok=True)
+            node = await embedded._get_ops()  # the Node: read for attack evidence only
             srv = await stack.enter_async_context(
-                NodeServer(await embedded._get_ops(), uds=opts.run_dir / "neighbours.sock")
+                NodeServer(node, uds=opts.run_dir / "neighbours.sock")
             )
             client = await stack.enter_async_context(AsyncClient(srv.address))
             img = await client.images.get(p.image.info.name)
@@ -308,7 +364,7 @@ async def neighbours(
                     idle.api_s += w.api_s
                     idle.errors += w.errors
                     res, w = await _one_attack(
-                        client, img, name, seconds, (neighbour, bystander, digest)
+                        node, client, img, name, seconds, (neighbour, bystander, digest)
                     )
                     res["neighbour"] = summary_ms(w.exec_s) if w.exec_s else None
                     res["api"] = summary_ms(w.api_s) if w.api_s else None
