@@ -504,3 +504,138 @@ async def test_clock_jumps_past_ttls(images_ready, monkeypatch) -> None:  # type
 
 
 _ENDS = {"ttl_expired", "idle_timeout", "destroyed", "destroy_error", "died", "lost"}
+
+
+# ---------------------------------------------------------------- the agent's memory tight
+
+_AGENT = r"""
+import asyncio, os, sys
+from pathlib import Path
+Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))  # before anything is loaded
+from corral.api.server import NodeServer
+from corral.node import Node
+from tests.integration.test_faults import _cfg, RUN
+
+async def main():
+    n = await Node.open(_cfg())
+    async with NodeServer(n, uds=RUN / "agent.sock"):
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class _AgentCgroup:
+    """A memory cgroup for the node agent itself, beside the node's subtree and named
+    after it (never one of the machine's own cgroups). v1: memory.limit_in_bytes (the
+    hybrid hosts here); v2: memory.max."""
+
+    def __init__(self) -> None:
+        v1 = Path("/sys/fs/cgroup/memory")
+        self.v1 = v1.is_dir() and (v1 / "memory.limit_in_bytes").exists()
+        base = v1 if self.v1 else Path("/sys/fs/cgroup")
+        self.path = base / f"{SUBTREE}-agent"
+        self.path.mkdir(exist_ok=True)
+
+    def usage(self) -> int:
+        f = "memory.usage_in_bytes" if self.v1 else "memory.current"
+        return int((self.path / f).read_text())
+
+    def failures(self) -> int:
+        if self.v1:
+            return int((self.path / "memory.failcnt").read_text())
+        events = dict(ln.split() for ln in (self.path / "memory.events").read_text().splitlines())
+        return int(events.get("max", 0))
+
+    def limit(self, value: int) -> None:
+        f = "memory.limit_in_bytes" if self.v1 else "memory.max"
+        (self.path / f).write_text(str(value))
+
+    def remove(self) -> None:
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.05)  # the killed agent's exit is being accounted
+        self.path.rmdir()
+
+
+async def _start_agent(cg: _AgentCgroup) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _AGENT, str(cg.path), cwd=REPO, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    async with asyncio.timeout(120):
+        line = await proc.stdout.readline()
+    assert line == b"ready\n", (line, proc.returncode)
+    return proc
+
+
+async def test_agent_memory_tight(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """The agent runs in a memory cgroup squeezed to 4 MiB above what it uses; 18 creates
+    and execs go on over its API, 6 at a time. Each works or fails with a CorralError
+    that has a message. What happens here (2026-12): the OCI runtime processes the agent
+    starts are charged to its cgroup, the cgroup's OOM killer picks the agent (the largest
+    process) and clients get TransportError; the sandboxes live in their own cgroups and
+    survive. Once the limit is raised, a restarted agent (as a supervisor would) adopts
+    the sandbox made before, its file intact, and creates work again."""
+    import corral
+
+    n = await _fresh()
+    await _shutdown(n)
+    cg = _AgentCgroup()
+    agent: asyncio.subprocess.Process | None = None
+    outcomes: dict[str, int] = {}
+    try:
+        cg.limit(1 << 30)
+        agent = await _start_agent(cg)
+        address = f"unix://{RUN / 'agent.sock'}"
+        async with corral.AsyncClient(address) as c:
+            kept = await c.sandboxes.create(image="test/busybox", limits=SMALL)
+            await kept.files.write("/tmp/kept.bin", b"k" * 65536)
+            tight = cg.usage() + (4 << 20)
+            cg.limit(tight)
+            before = cg.failures()
+
+            async def one(i: int) -> None:
+                try:
+                    sb = await c.sandboxes.create(image="test/busybox", limits=SMALL)
+                    r = await sb.exec(["echo", str(i)], timeout=60)
+                    key = "ok" if r.stdout == f"{i}\n".encode() else "wrong"
+                    outcomes[key] = outcomes.get(key, 0) + 1
+                    await sb.destroy()
+                except corral.CorralError as e:
+                    kind = f"{type(e).__name__}: {e.message[:160]}"
+                    outcomes[kind] = outcomes.get(kind, 0) + 1
+
+            for rnd in range(3):  # 6 creates at once: 6 runtime processes in the cgroup
+                await asyncio.gather(*(one(6 * rnd + k) for k in range(6)))
+                if agent.returncode is not None:
+                    break
+            pressure = cg.failures() - before
+        print("outcomes", outcomes, "limit hits", pressure, "agent", agent.returncode)
+        if agent.returncode is not None:  # killed: by the OOM killer, not a crash of ours
+            assert agent.returncode == -signal.SIGKILL, agent.returncode
+        assert pressure > 0, "the limit was never reached: no pressure was applied"
+        cg.limit(1 << 30)
+        if agent.returncode is not None:  # the kernel killed the agent: a supervisor's restart
+            agent = await _start_agent(cg)
+        async with corral.AsyncClient(address) as c:
+            again = await c.sandboxes.get(kept.id)
+            assert await again.files.read("/tmp/kept.bin") == b"k" * 65536
+            sb = await c.sandboxes.create(image="test/busybox", limits=SMALL)
+            assert (await sb.exec(["echo", "back"])).stdout == b"back\n"
+            for s in await c.sandboxes.list():
+                await s.destroy()
+    finally:
+        if agent is not None and agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        try:  # the node's seccomp fd holder, started by the agent, is in its cgroup:
+            n = await _fresh()  # the next node's gc ends it with the rest
+            await _shutdown(n)
+        finally:
+            cg.remove()
+    _assert_clean()
