@@ -15,6 +15,7 @@ Example::
     corral bench cluster --nodes 3 --count 300 --json
     corral bench ondemand --sandboxes 64 --images 8 --json
     corral bench workspace --sandboxes 64 --json
+    corral bench neighbours --seconds 6 --json
 """
 
 from __future__ import annotations
@@ -331,6 +332,31 @@ def crash_cmd(
     from corral.bench.crash import crash
 
     return crash(opts, count, rounds)
+
+
+@scenario(
+    app,
+    "neighbours",
+    image="python",
+    image_help="An image with python3 ('python': built once).",
+    image_from=_python_image,
+)
+def neighbours_cmd(
+    opts: BenchOptions,
+    seconds: Annotated[
+        float, typer.Option("--seconds", min=0.5, help="How long each attack is measured.")
+    ] = 6.0,
+    attack: Annotated[
+        list[str] | None,
+        typer.Option("--attack", help="Run only this attack (repeatable); default: all."),
+    ] = None,
+) -> Scenario:
+    """Fork bomb, memory bomb, disk fill, output flood, inotify and fd exhaustion and a CPU
+    burn, each in its own sandbox: a latency-class neighbour's exec p99 and the API's p99
+    against idle, and whether anyone outside the attacker was harmed."""
+    from corral.bench.neighbours import neighbours
+
+    return neighbours(opts, seconds, attack or None)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -15,6 +15,15 @@ from corral.images._progress import Step
 __all__ = ["run_tool", "ToolFailed"]
 
 _TAIL_LINES = 40
+_PACKAGES = {
+    "mkfs.erofs": "erofs-utils",
+    "mmdebstrap": "mmdebstrap",
+    "debootstrap": "debootstrap",
+    "tar": "tar",
+    "cp": "coreutils",
+    "unshare": "util-linux",
+}
+"""The Debian package of each tool a build runs, for the error when one is missing."""
 
 
 class ToolFailed(BuildError):
@@ -52,7 +61,10 @@ def run_tool(
             start_new_session=True,
         )
     except FileNotFoundError:
-        raise HostError(f"{what}: {argv[0]} is not installed on this host") from None
+        tool = os.path.basename(argv[0])
+        package = _PACKAGES.get(tool)
+        fix = f" (Debian package {package}: apt-get install {package})" if package else ""
+        raise HostError(f"{what}: {tool} is not installed on this host{fix}") from None
     timed_out = threading.Event()
 
     def _kill() -> None:

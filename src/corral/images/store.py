@@ -53,6 +53,7 @@ from corral.errors import (
     InvalidRequest,
     LayerCorrupt,
     LayerNotFound,
+    StoreUnavailable,
 )
 from corral.images import erofs
 from corral.images._bounded import Bounded
@@ -490,7 +491,12 @@ class LayerStore:
         try:
             return ImageInfo.model_validate_json(self._image_path(ref).read_bytes())
         except FileNotFoundError:
-            pass
+            if not self.root.is_dir():
+                raise StoreUnavailable(
+                    f"image {ref!r}: the layer store {self.root} is not there (an unmounted "
+                    "share or a moved directory?); sandboxes already running keep their "
+                    "mounted layers, new ones can start once it is back"
+                ) from None
         names = [i.name for i in self._list_images()]
         close = difflib.get_close_matches(ref, names, n=5, cutoff=0.5)
         hint = (

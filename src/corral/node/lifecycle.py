@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -26,6 +27,7 @@ from corral.errors import (
     InvalidRequest,
     SandboxError,
     SandboxNotFound,
+    ScratchFull,
 )
 from corral.node.config import NodeConfig
 from corral.node.metrics import PhaseTimer
@@ -127,6 +129,13 @@ class Lifecycle:
             self.table.remove(sid)
             self.state.add_event(sid, "create_failed", {"error": str(e)[:2000]})
             self.record("create", t, info, failed=True)
+            if _out_of_space(e) and not isinstance(e, ScratchFull):
+                raise ScratchFull(
+                    f"creating sandbox {sid}: the node's scratch filesystem (every sandbox's "
+                    f"writable layer, {self.config.state_dir / 'scratch'}) is full: retry "
+                    "later or on another node; the operator frees space by destroying "
+                    f"sandboxes or gives the node a larger scratch_size ({e})"
+                ) from e
             if isinstance(e, CorralError):
                 raise
             if isinstance(e, Exception):
@@ -317,6 +326,19 @@ class Lifecycle:
                 log.warning("closing with creates/destroys still in flight after %.0f s", timeout)
                 return
             await asyncio.sleep(0.005)
+
+
+def _out_of_space(e: BaseException | None) -> bool:
+    """Whether ENOSPC is behind ``e`` (an OSError in its chain, or a runtime's message):
+    a full scratch filesystem is the node's room running out, not a host failure."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _check_fits(spec: SandboxSpec, cfg: NodeConfig) -> None:

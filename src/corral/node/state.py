@@ -2,19 +2,37 @@
 
 The node is the source of truth for its sandboxes; this store is how that truth survives
 an agent restart. Only the Node object writes here.
+
+Two faults from outside the node are turned into clear refusals instead of silent damage:
+
+- **Another process holds the database** (an ``sqlite3`` shell or a backup in a write
+  transaction): a statement waits up to :data:`BUSY_TIMEOUT` seconds, then fails with a
+  :class:`~corral.errors.HostError` naming the file and how to find the holder. Nothing
+  half-done stays in memory (see ``SandboxTable.add``); once released, it works again.
+- **The write-ahead log lost while the node was down** (``state.db-wal`` removed or
+  truncated after a crash): commits since the last checkpoint live only in the WAL, and
+  SQLite would silently open the older main file, so the node would forget sandboxes
+  that are still running. :func:`check_wal` compares the WAL with the frame count the
+  crashed agent's shared-memory index (``state.db-shm``) recorded and refuses to open,
+  naming both files, until the WAL is restored or the loss is accepted (remove the -shm).
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import struct
 import time
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
+from corral.errors import HostError
 from corral.spec import Event, SandboxInfo, SandboxState
 
-__all__ = ["StateStore", "Timing"]
+__all__ = ["StateStore", "Timing", "BUSY_TIMEOUT", "check_wal"]
+
+BUSY_TIMEOUT = 5.0
+"""Seconds a statement waits for another process's lock on the database before failing."""
 
 Timing = tuple[str | None, str, float, float, dict[str, float], dict[str, str]]
 """One finished operation: (sandbox_id, op, unix time, seconds, phases, labels)."""
@@ -61,11 +79,83 @@ CREATE INDEX IF NOT EXISTS timings_time ON timings(time);
 
 _LIVE = tuple(st for st in get_args(SandboxState) if st != "destroyed")
 
+_WAL_HEADER = 32
+_FRAME_HEADER = 24
+
+
+def check_wal(path: Path) -> None:
+    """Refuse (HostError) when ``path``'s WAL is shorter than the last agent committed.
+
+    A clean close checkpoints and removes the WAL; after a crash the -shm file's index
+    header (native byte order; ``mxFrame`` at byte 16, the page size at byte 14) still
+    says how many frames were valid. A WAL shorter than that lost commits."""
+    shm, wal = path.with_name(path.name + "-shm"), path.with_name(path.name + "-wal")
+    try:
+        head = shm.read_bytes()[:48]
+    except FileNotFoundError:
+        return
+    if len(head) < 48 or head[12] != 1:  # isInit: the index was never built
+        return
+    page = struct.unpack_from("=H", head, 14)[0]
+    page = 65536 if page == 1 else page
+    frames = struct.unpack_from("=I", head, 16)[0]
+    if frames == 0 or page < 512:
+        return
+    need = _WAL_HEADER + frames * (page + _FRAME_HEADER)
+    have = wal.stat().st_size if wal.exists() else None
+    if have is not None and have >= need:
+        return
+    what = "is missing" if have is None else f"has {have} bytes of the {need} committed"
+    raise HostError(
+        f"the node's state database {path}: its write-ahead log {wal} {what} ({frames} "
+        f"frames recorded in {shm} by the agent that last wrote it): the sandboxes created "
+        "or changed since the last checkpoint would be forgotten while still running. "
+        f"Restore {wal.name} from where it went and start again; to accept the loss "
+        f"instead, remove {shm} (then `corral node gc` removes what the database forgot)"
+    )
+
+
+def _translated(e: sqlite3.OperationalError, path: Path) -> Exception:
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return HostError(
+            f"the node's state database {path} is locked by another process (waited "
+            f"{BUSY_TIMEOUT:g} s): an sqlite3 shell or a backup holding a write transaction? "
+            f"`fuser {path}` names it; nothing was changed, retry once it lets go"
+        )
+    return HostError(f"the node's state database {path}: {text}")
+
+
+class _Connection(sqlite3.Connection):
+    """A connection whose lock and I/O errors say which file and what to do."""
+
+    db_path = Path()
+
+    def execute(self, *args: Any) -> sqlite3.Cursor:
+        try:
+            return super().execute(*args)
+        except sqlite3.OperationalError as e:
+            raise _translated(e, self.db_path) from e
+
+    def executemany(self, *args: Any) -> sqlite3.Cursor:
+        try:
+            return super().executemany(*args)
+        except sqlite3.OperationalError as e:
+            raise _translated(e, self.db_path) from e
+
 
 class StateStore:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        check_wal(path)
+        self._db = sqlite3.connect(
+            path,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=BUSY_TIMEOUT,
+            factory=_Connection,
+        )
+        self._db.db_path = path
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file.
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -119,8 +119,10 @@ class SandboxTable:
         """A sandbox being created (``creating``), or adopted after a restart."""
         if info.id in self._live:
             raise Conflict(f"sandbox {info.id} is already on this node")
-        self._live[info.id] = info
+        # Recorded first: a database that refuses (locked by another process) must not
+        # leave a ghost "creating" entry in memory that nothing would ever remove.
         self._state.put_sandbox(info)
+        self._live[info.id] = info
         self._tell(info.id, info)
 
     def set_state(self, sandbox_id: str, state: SandboxState, **update: object) -> SandboxInfo:
