@@ -230,12 +230,10 @@ class MicroVMBackend:
             raise HostError(f"microvm backend unavailable: {self.broken}")
         if writable_from is not None:
             raise InvalidRequest("fork: not yet for microvm sandboxes")
-        if spec.network.allow:
-            raise InvalidRequest("network: not yet for microvm sandboxes (default: none)")
         undo: list[Callable[[], object]] = []
         try:
-            pid = await self._create(sandbox_id, spec, image, undo, phases)
-            return Started(pid=pid, cgroup=sandbox_id)
+            await self._create(sandbox_id, spec, image, undo, phases)
+            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
         except BaseException:
             await run_undo(undo)
             raise
@@ -247,7 +245,7 @@ class MicroVMBackend:
         image: ImageInfo,
         undo: list[Callable[[], object]],
         phases: Phases,
-    ) -> int:
+    ) -> None:
         assert self.kernel is not None and self.initrd is not None
         d = self.dir(sandbox_id)
         with phases.phase("layer_mounts"):
@@ -258,7 +256,6 @@ class MicroVMBackend:
             os.chmod(d, 0o700)
             await asyncio.to_thread(_make_disk, d / "disk.img", int(spec.limits.disk))
         latency = spec.qos == "latency"
-        mem_mib = max(64, int(spec.limits.memory) >> 20)
         self.cgroups.create(
             sandbox_id,
             cpus=spec.limits.cpus,
@@ -276,16 +273,16 @@ class MicroVMBackend:
             console=d / "console.log",
             vm_sock=d / "vm.sock",
             pidfile=d / "vmm.pid",
+            mac=qemu.mac_of(sandbox_id),
+            qmp_sock=d / "qmp.sock",
         )
-        uid = self.config.vmm_uid or self.ctx.host_uid - 1
-        argv = qemu.vm_argv(
-            files,
-            accel=self.accel,
-            cpus=max(1, math.ceil(spec.limits.cpus)),
-            memory_mib=mem_mib,
-            runas=f"{uid}:{uid}",
+        argv = self._argv(files, spec)
+        run, env = qemu.trampoline(
+            self.cgroups.procs_files(sandbox_id),
+            argv,
+            uid=self._uid,
+            holder_file=d / "netns.pid",
         )
-        run, env = qemu.trampoline(self.cgroups.procs_files(sandbox_id), argv)
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
             # "$@"), in the sandbox's cgroup and a new netns, dropping to an unprivileged
@@ -314,6 +311,41 @@ class MicroVMBackend:
             undo.append(lambda: self._drop_mux(sandbox_id))
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
+
+    @property
+    def _uid(self) -> int:
+        return self.config.vmm_uid or self.ctx.host_uid - 1
+
+    def _argv(self, files: qemu.VMFiles, spec: SandboxSpec) -> list[str]:
+        return qemu.vm_argv(
+            files,
+            accel=self.accel,
+            cpus=max(1, math.ceil(spec.limits.cpus)),
+            memory_mib=max(64, int(spec.limits.memory) >> 20),
+            runas=f"{self._uid}:{self._uid}",
+            dns=self._resolver(),
+            hostname=spec.hostname,
+        )
+
+    def _resolver(self) -> str | None:
+        """The nameserver the node gives containers (its resolv.conf mount), if any."""
+        for m in self.ctx.extra_mounts:
+            if m.get("destination") == "/etc/resolv.conf":
+                with contextlib.suppress(OSError):
+                    for line in Path(str(m["source"])).read_text().splitlines():
+                        if line.startswith("nameserver "):
+                            return line.split()[1]
+        return None
+
+    def _holder(self, sandbox_id: str) -> int:
+        """The pid holding the VMM's network namespace (the node plugs its veth in there;
+        it outlives QEMU across a memory-snapshot pause)."""
+        try:
+            pid = int((self.dir(sandbox_id) / "netns.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            raise SandboxError(f"sandbox {sandbox_id}: the VMM's netns holder is gone") from None
+        if pid not in self.cgroups.procs(sandbox_id):
+            raise SandboxError(f"sandbox {sandbox_id}: the VMM's netns holder is gone")
         return pid
 
     async def _boot_wait(self, sandbox_id: str) -> None:
@@ -360,7 +392,12 @@ class MicroVMBackend:
             log.warning("adopt %s: %s", sandbox_id, e)
             return None
         self._mux[sandbox_id] = mux
-        return Started(pid=pid, cgroup=sandbox_id)
+        try:
+            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+        except SandboxError as e:
+            log.warning("adopt %s: %s", sandbox_id, e)
+            await self._drop_mux(sandbox_id)
+            return None
 
     async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> bool:
         """SIGKILL every process of the sandbox's cgroup (QEMU and whatever it left) and
