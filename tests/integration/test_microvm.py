@@ -227,6 +227,45 @@ async def test_pause_resume_through_the_shared_cgroup_path(vmnode):  # type: ign
     assert not _vmm_procs()
 
 
+async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: ignore[no-untyped-def]
+    """pause(memory_snapshot=True): the machine is saved to a file in the sandbox dir and
+    its VMM ends (the cgroup's memory falls to the netns holder's); the next request
+    restores it transparently, with its processes and tmpfs intact; resume() restores too."""
+    from corral.spec import ExecRequest
+
+    info = await vmnode.sandbox_create(_spec())
+    sid = info.id
+    b = vmnode.backends.get("microvm")
+    try:
+        bg = await vmnode.spawn(sid, ExecRequest(cmd=["sleep", "600"]))
+        cmd = ["sh", "-c", "echo tmpfs-kept > /dev/shm/v; echo disk-kept > /root/d"]
+        assert (await vmnode.exec(sid, ExecRequest(cmd=cmd))).exit_code == 0
+        before = b.cgroups.memory_current(sid)
+        paused = await vmnode.sandbox_pause(sid, memory_snapshot=True)
+        assert paused.state == "paused"
+        assert not _vmm_procs() and b.saved(sid) and b.alive(sid)
+        after = b.cgroups.memory_current(sid)
+        assert after < before * 0.1, (before, after)
+        ev = [e for e in await vmnode.events(sid) if e.kind == "paused"][-1]
+        assert ev.detail["memory_snapshot"] and ev.detail["snapshot_bytes"] > 0, ev
+        # any request restores it (transparent resume)
+        r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v", "/root/d"]))
+        assert r.stdout == b"tmpfs-kept\ndisk-kept\n", r
+        assert (await vmnode.process_get(sid, bg.id)).running
+        assert not b.saved(sid) and len(_vmm_procs()) == 1
+        # again, with an explicit resume
+        await vmnode.sandbox_pause(sid, memory_snapshot=True)
+        assert not _vmm_procs()
+        got = await vmnode.sandbox_resume(sid)
+        assert got.state == "running" and len(_vmm_procs()) == 1
+        r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v"]))
+        assert r.stdout == b"tmpfs-kept\n", r
+        assert (await vmnode.process_get(sid, bg.id)).running
+    finally:
+        await vmnode.sandbox_destroy(sid)
+    assert not _vmm_procs()
+
+
 async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore[no-untyped-def]
     """A guest whose agent never comes up: a clear timeout, the VMM killed, nothing left.
     (Here: a boot timeout far below what a TCG boot takes.)"""

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +50,7 @@ from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
 from corral.backends.microvm import guest, qemu
 from corral.backends.microvm.files import AgentFiles
+from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
 from corral.errors import HostError, InvalidRequest, SandboxError
 from corral.init import ensure_built
@@ -204,7 +207,11 @@ class MicroVMBackend:
         return pid
 
     def alive(self, sandbox_id: str) -> bool:
+        """The VMM runs, or the VM is saved to a memory snapshot (its netns holder runs)."""
         pid = self.vmm_pid(sandbox_id)
+        if pid is None and self.saved(sandbox_id):
+            with contextlib.suppress(SandboxError):
+                pid = self._holder(sandbox_id)
         if pid is None:
             return False
         try:
@@ -253,8 +260,14 @@ class MicroVMBackend:
         with phases.phase("rootfs"):
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
             await asyncio.to_thread(self.scratch.create_subvol, sandbox_id, quota=spec.limits.disk)
-            os.chmod(d, 0o700)
+            # QEMU's chroot: the VMM uid may look names up here but not list the dir, and
+            # owns only its writable disk (a migration's end reopens it by name, as that
+            # uid); the node's sockets and the snapshot file stay root's, 0600.
+            os.chmod(d, 0o711)
             await asyncio.to_thread(_make_disk, d / "disk.img", int(spec.limits.disk))
+            # Safe: chown of the file just made in the sandbox's own subvolume.
+            os.chown(d / "disk.img", self._uid, self._uid)
+            os.chmod(d / "disk.img", 0o600)
         latency = spec.qos == "latency"
         self.cgroups.create(
             sandbox_id,
@@ -277,6 +290,8 @@ class MicroVMBackend:
             qmp_sock=d / "qmp.sock",
         )
         argv = self._argv(files, spec)
+        # a restore starts the same VM
+        (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
         run, env = qemu.trampoline(
             self.cgroups.procs_files(sandbox_id),
             argv,
@@ -294,6 +309,7 @@ class MicroVMBackend:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=d,
             )
             out, _ = await proc.communicate()
             if proc.returncode != 0:
@@ -305,7 +321,7 @@ class MicroVMBackend:
             if pid is None:
                 raise SandboxError(f"sandbox {sandbox_id}: QEMU started but is not running")
             qos.apply(pid, spec.qos)
-            mux = HostMux(d / "vm.sock", d / "ctl.sock")
+            mux = self._new_mux(sandbox_id)
             await mux.start()
             self._mux[sandbox_id] = mux
             undo.append(lambda: self._drop_mux(sandbox_id))
@@ -380,14 +396,14 @@ class MicroVMBackend:
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
         """Reconnect to a running VM after a node restart (QEMU is free for a new client
-        once the old node's connection closed)."""
+        once the old node's connection closed); a VM saved to a memory snapshot gets its
+        listener back and is restored on its first request."""
         if not self.alive(sandbox_id):
             return None
-        pid = self.vmm_pid(sandbox_id)
-        assert pid is not None
-        mux = HostMux(self.dir(sandbox_id) / "vm.sock", self.dir(sandbox_id) / "ctl.sock")
+        saved = self.vmm_pid(sandbox_id) is None
+        mux = self._new_mux(sandbox_id)
         try:
-            await mux.start()
+            await mux.start(attach=not saved)
         except SandboxError as e:
             log.warning("adopt %s: %s", sandbox_id, e)
             return None
@@ -436,6 +452,118 @@ class MicroVMBackend:
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
+    # ------------------------------------------------------------------ memory snapshots
+    def saved(self, sandbox_id: str) -> bool:
+        """The VM is saved to its memory snapshot file (the VMM gone until a request)."""
+        return (self.dir(sandbox_id) / _SNAP).exists()
+
+    def _new_mux(self, sandbox_id: str) -> HostMux:
+        d = self.dir(sandbox_id)
+        return HostMux(d / "vm.sock", d / "ctl.sock", wake=lambda: self.restore(sandbox_id))
+
+    async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
+        """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
+        and end the VMM: nothing of the guest stays in host memory (the file's page cache
+        is dropped too). The node keeps listening on the sandbox's control socket; the
+        next request (or :meth:`restore`) brings the VM back from the file. Returns figures
+        for the node's ``paused`` event."""
+        d = self.dir(sandbox_id)
+        pid = self.vmm_pid(sandbox_id)
+        if pid is None:
+            raise SandboxError(f"sandbox {sandbox_id}: no VMM to save")
+        t0 = time.monotonic()
+        tmp = d / (_SNAP + ".tmp")
+        # Safe: a new file in the sandbox's own dir (root's, 0700), handed to QEMU by fd.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            stats = await asyncio.to_thread(_save, d / "qmp.sock", fd, timeout)
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):  # the guest runs on as before
+                await asyncio.to_thread(_qmp_cont, d / "qmp.sock")
+            raise
+        os.close(fd)
+        os.replace(tmp, d / _SNAP)
+        mux = self._mux.get(sandbox_id)
+        if mux is not None:
+            await mux.detach()
+        # QEMU quits on its own after "quit"; a VMM that lingers is killed (the state is
+        # saved): only QEMU, not the netns holder.
+        _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
+        while self.vmm_pid(sandbox_id) is not None:
+            await asyncio.sleep(0.01)
+        return {
+            "memory_snapshot": True,
+            "snapshot_bytes": size,
+            "save_ms": round((time.monotonic() - t0) * 1000, 1),
+            "migrate_ms": stats.get("total-time"),
+        }
+
+    async def restore(self, sandbox_id: str, timeout: float = 300.0) -> float:
+        """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
+        snapshot file is removed once the guest runs. Returns the seconds it took. A
+        corrupt or missing snapshot is a SandboxError naming it (the VMM killed)."""
+        d = self.dir(sandbox_id)
+        if self.vmm_pid(sandbox_id) is not None:
+            return 0.0
+        snap = d / _SNAP
+        if not snap.exists():
+            raise SandboxError(f"sandbox {sandbox_id}: no memory snapshot to restore")
+        t0 = time.monotonic()
+        vm = json.loads((d / "vm.json").read_text())
+        argv = [*vm["argv"], "-incoming", "defer"]
+        run, env = qemu.trampoline(
+            self.cgroups.procs_files(sandbox_id),
+            argv,
+            uid=self._uid,
+            holder_file=d / "netns.pid",
+            join_netns=self._holder(sandbox_id),
+        )
+        # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
+        # netns and cgroup (see create()).
+        proc = await asyncio.create_subprocess_exec(
+            *run,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=d,
+        )
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: QEMU did not start for the restore "
+                f"(exit {proc.returncode}): " + out.decode(errors="replace").strip()[-1000:]
+            )
+        fd = os.open(snap, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await asyncio.to_thread(_load, d / "qmp.sock", fd, timeout)
+        except BaseException as e:
+            pid = self.vmm_pid(sandbox_id)
+            if pid is not None:
+                _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
+            if isinstance(e, SandboxError):
+                raise SandboxError(
+                    f"sandbox {sandbox_id}: restore from {snap.name} failed: {e}"
+                ) from None
+            raise
+        finally:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        snap.unlink()
+        pid = self.vmm_pid(sandbox_id)
+        if pid is not None:
+            qos.apply(pid, vm["qos"])
+        mux = self._mux.get(sandbox_id)
+        if mux is not None and not mux.connected:
+            await mux.attach()
+        return time.monotonic() - t0
+
     # ------------------------------------------------------------------ not yet
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
@@ -444,6 +572,37 @@ class MicroVMBackend:
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
         raise InvalidRequest("snapshot: not yet for microvm sandboxes")
+
+
+_SNAP = "mem.snap"
+
+
+def _save(qmp_sock: Path, fd: int, timeout: float) -> dict[str, object]:
+    """Stop the guest, migrate its state into ``fd``, quit QEMU (blocking; a thread)."""
+    with Qmp(qmp_sock) as q:
+        q.cmd("stop")
+        q.cmd("getfd", fds=[fd], fdname="snap")
+        q.cmd("migrate", uri="fd:snap")
+        stats = q.wait_migration(timeout)
+        q.cmd("quit")
+    return stats
+
+
+def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
+    """Feed ``fd`` to a QEMU started with ``-incoming defer``; wait until the guest runs."""
+    with Qmp(qmp_sock) as q:
+        q.cmd("getfd", fds=[fd], fdname="snap")
+        q.cmd("migrate-incoming", uri="fd:snap")
+        q.wait_migration(timeout)
+        # the source was stopped before it was saved, so the state arrives stopped
+        if q.cmd("query-status").get("status") != "running":
+            q.cmd("cont")
+        q.wait_status("running", timeout)
+
+
+def _qmp_cont(qmp_sock: Path) -> None:
+    with Qmp(qmp_sock, timeout=5.0) as q:
+        q.cmd("cont")
 
 
 def _make_disk(path: Path, size: int) -> None:

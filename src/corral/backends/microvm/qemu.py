@@ -84,7 +84,8 @@ def vm_argv(
     dns: str | None = None,
     hostname: str | None = None,
 ) -> list[str]:
-    """The full QEMU command line of one VM. ``dns``: the resolver the guest's
+    """The full QEMU command line of one VM, to be run with the sandbox dir
+    (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
     /etc/resolv.conf names (the node's); ``hostname``: the guest's."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
     if files.mac:
@@ -160,9 +161,12 @@ def vm_argv(
             "-device",
             f"virtio-blk-device,drive=l{i},serial=l{i}",
         ]
+    # The writable disk by a path relative to the sandbox dir (QEMU's cwd, then its
+    # chroot): when a migration (memory snapshot) ends, QEMU reopens the writable disk
+    # read-only, by name, from inside the chroot; an absolute host path is not there.
     argv += [
         "-drive",
-        f"id=rw,file={files.disk},format=raw,if=none,discard=unmap",
+        f"id=rw,file={files.disk.name},format=raw,if=none,discard=unmap",
         "-device",
         "virtio-blk-device,drive=rw,serial=rw",
     ]
