@@ -334,8 +334,12 @@ class FakeNode(NodeOps):
             if all(s.info.spec.labels.get(k) == v for k, v in want.items())
         ]
 
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
         sb = self._sb(sandbox_id, wake=False)
+        if memory_snapshot and sb.info.spec.backend != "microvm":
+            raise InvalidRequest(
+                f"pause(memory_snapshot=True): not for {sb.info.spec.backend} sandboxes"
+            )
         if sb.info.state != "paused":
             sb.info = sb.info.model_copy(update={"state": "paused"})
             self._event(sandbox_id, "paused")
