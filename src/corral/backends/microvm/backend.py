@@ -13,10 +13,14 @@ Create, in order (each step undone if a later one fails):
 
 The image's EROFS layers are given to the guest read-only as virtio-blk disks, straight
 from the layer store's files (one host page cache with every container using them).
-Pause/resume use the node's shared cgroup freeze (QEMU is in the sandbox's cgroup).
+
+Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0`` the node
+attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
+and is the pid the node knows the sandbox by. Pause: the node's shared cgroup freeze, or
+:meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
+the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
 Not yet: virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs"),
-network (a policy with names is refused), memory-snapshot pause, snapshot/fork/pack
-(``copy_writable`` and ``pack`` refuse with InvalidRequest).
+snapshot/fork/pack (``copy_writable`` and ``pack`` refuse with InvalidRequest).
 """
 
 from __future__ import annotations
@@ -172,6 +176,8 @@ class MicroVMBackend:
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
                 "layers": "virtio-blk",
+                "network": "tap+nat in the VMM netns",
+                "pause": "freeze, memory_snapshot",
                 **detail,
             },
         )
