@@ -261,6 +261,16 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v"]))
         assert r.stdout == b"tmpfs-kept\n", r
         assert (await vmnode.process_get(sid, bg.id)).running
+        # a request racing the save: it waits (or the save waits for it), then it runs
+        import asyncio
+
+        _, r = await asyncio.gather(
+            vmnode.sandbox_pause(sid, memory_snapshot=True),
+            vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v"])),
+        )
+        assert r.stdout == b"tmpfs-kept\n", r
+        r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v"]))
+        assert r.stdout == b"tmpfs-kept\n", r
     finally:
         await vmnode.sandbox_destroy(sid)
     assert not _vmm_procs()

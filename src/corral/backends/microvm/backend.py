@@ -481,6 +481,9 @@ class MicroVMBackend:
         tmp = d / (_SNAP + ".tmp")
         # Safe: a new file in the sandbox's own dir (root's, 0700), handed to QEMU by fd.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        mux = self._mux.get(sandbox_id)
+        if mux is not None:
+            mux.hold()  # a request arriving now waits for the save, then restores
         try:
             stats = await asyncio.to_thread(_save, d / "qmp.sock", fd, timeout)
             os.fsync(fd)
@@ -491,10 +494,11 @@ class MicroVMBackend:
             tmp.unlink(missing_ok=True)
             with contextlib.suppress(Exception):  # the guest runs on as before
                 await asyncio.to_thread(_qmp_cont, d / "qmp.sock")
+            if mux is not None:
+                mux.release()
             raise
         os.close(fd)
         os.replace(tmp, d / _SNAP)
-        mux = self._mux.get(sandbox_id)
         if mux is not None:
             await mux.detach()
         # QEMU quits on its own after "quit"; a VMM that lingers is killed (the state is
@@ -502,6 +506,8 @@ class MicroVMBackend:
         _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
         while self.vmm_pid(sandbox_id) is not None:
             await asyncio.sleep(0.01)
+        if mux is not None:
+            mux.release()
         return {
             "memory_snapshot": True,
             "snapshot_bytes": size,

@@ -46,6 +46,8 @@ class HostMux:
         self.vm_sock = vm_sock
         self._wake = wake
         self._wake_lock = asyncio.Lock()
+        self._open = asyncio.Event()  # cleared while the VM is being saved
+        self._open.set()
         self.ctl_sock = ctl_sock
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
@@ -73,6 +75,13 @@ class HostMux:
             raise SandboxError(f"microvm control socket {self.vm_sock}: {e.strerror}") from None
         self._w.write(_HDR.pack(0, b"r", 0))
         self._reader = asyncio.ensure_future(self._pump_guest())
+
+    def hold(self) -> None:
+        """New connections wait (until :meth:`release`): the VM is being saved."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     async def detach(self) -> None:
         """Drop every channel and QEMU's connection, but keep listening (the VMM is about
@@ -148,6 +157,7 @@ class HostMux:
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         """One client connection = one channel until either side closes."""
+        await self._open.wait()
         if not self.connected and self._wake is not None and not self._closed:
             try:
                 async with self._wake_lock:
