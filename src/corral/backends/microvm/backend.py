@@ -48,6 +48,7 @@ from corral.backends.base import (
     NoPhases,
     Phases,
     Started,
+    in_thread,
     run_undo,
 )
 from corral.backends.config import MicroVMConfig
@@ -56,7 +57,7 @@ from corral.backends.microvm import guest, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
-from corral.errors import HostError, InvalidRequest, SandboxError
+from corral.errors import Conflict, HostError, InvalidRequest, SandboxError
 from corral.init import ensure_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
@@ -241,11 +242,12 @@ class MicroVMBackend:
             raise HostError("microvm backend not started")
         if self.broken:
             raise HostError(f"microvm backend unavailable: {self.broken}")
-        if writable_from is not None:
-            raise InvalidRequest("fork: not yet for microvm sandboxes")
         undo: list[Callable[[], object]] = []
         try:
-            await self._create(sandbox_id, spec, image, undo, phases)
+            if writable_from is not None:
+                await self._create_fork(sandbox_id, spec, image, writable_from, undo, phases)
+            else:
+                await self._create(sandbox_id, spec, image, undo, phases)
             return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
         except BaseException:
             await run_undo(undo)
@@ -515,7 +517,9 @@ class MicroVMBackend:
             "migrate_ms": stats.get("total-time"),
         }
 
-    async def restore(self, sandbox_id: str, timeout: float = 300.0) -> float:
+    async def restore(
+        self, sandbox_id: str, timeout: float = 300.0, new_netns: bool = False
+    ) -> float:
         """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
         snapshot file is removed once the guest runs. Returns the seconds it took. A
         corrupt or missing snapshot is a SandboxError naming it (the VMM killed)."""
@@ -533,7 +537,7 @@ class MicroVMBackend:
             argv,
             uid=self._uid,
             holder_file=d / "netns.pid",
-            join_netns=self._holder(sandbox_id),
+            join_netns=None if new_netns else self._holder(sandbox_id),
         )
         # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
         # netns and cgroup (see create()).
@@ -580,23 +584,122 @@ class MicroVMBackend:
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
     ) -> float:
-        raise InvalidRequest(f"{purpose}: not yet for microvm sandboxes")
+        """Fork: the whole machine. QEMU stops the guest and migrates it into ``fork.snap``
+        in the sandbox dir, the subvolume (writable disk + that file) is snapshotted as
+        ``dst``, and the guest goes on (``cont``). Returns the seconds it was stopped. A VM
+        saved by a memory-snapshot pause is copied as it is. (``frozen`` is not used: QMP
+        cannot talk to a frozen QEMU; ``stop`` is the freeze.)"""
+        if purpose != "fork":
+            raise InvalidRequest(f"{purpose}: not yet for microvm sandboxes")
+        d = self.dir(sandbox_id)
+        scratch = self.scratch
+        if self.saved(sandbox_id):
+            await in_thread(scratch.snapshot, sandbox_id, dst, None)
+            os.replace(scratch.mountpoint / dst / _SNAP, scratch.mountpoint / dst / _FORK)
+            return 0.0
+        if self.cgroups.is_frozen(sandbox_id):
+            raise Conflict(
+                f"sandbox {sandbox_id} is paused (frozen): resume it, or pause it with "
+                "memory_snapshot=True, before forking a microVM"
+            )
+        t0 = time.monotonic()
+        # Safe: a new file in the sandbox's own dir (root's), handed to QEMU by fd.
+        fd = os.open(d / _FORK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(_save, d / "qmp.sock", fd, 300.0, False)
+            os.fsync(fd)
+            await in_thread(scratch.snapshot, sandbox_id, dst, None)
+        finally:
+            os.close(fd)
+            (d / _FORK).unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(_qmp_cont, d / "qmp.sock")
+        return time.monotonic() - t0
+
+    async def _create_fork(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        base: str,
+        undo: list[Callable[[], object]],
+        phases: Phases,
+    ) -> None:
+        """A child from a fork copy: its subvolume a snapshot of ``base`` (the parent's
+        disk and machine state), a netns and tap of its own, QEMU restored from the state,
+        then its own identity (MAC, hostname, a reseeded random pool) set through the agent."""
+        d = self.dir(sandbox_id)
+        with phases.phase("rootfs"):
+            undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
+            await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
+            for stale in ("vmm.pid", "netns.pid", "console.log", "ctl.sock", "qmp.sock", "vm.sock"):
+                (d / stale).unlink(missing_ok=True)
+            os.replace(d / _FORK, d / _SNAP)
+        self.cgroups.create(
+            sandbox_id,
+            cpus=spec.limits.cpus,
+            memory=int(spec.limits.memory) + self.config.memory_overhead,
+            pids=_PIDS,
+            latency=spec.qos == "latency",
+        )
+        undo.append(lambda: self.cgroups.remove(sandbox_id))
+        undo.append(lambda: self.kill_all(sandbox_id))
+        assert self.kernel is not None and self.initrd is not None
+        layers = [self.ctx.store.path_of(digest) for digest in image.layers]
+        files = qemu.VMFiles(
+            kernel=self.kernel.vmlinuz,
+            initrd=self.initrd,
+            layers=layers,
+            disk=d / "disk.img",
+            console=d / "console.log",
+            vm_sock=d / "vm.sock",
+            pidfile=d / "vmm.pid",
+            mac=qemu.mac_of(sandbox_id),
+            qmp_sock=d / "qmp.sock",
+        )
+        argv = self._argv(files, spec)
+        (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
+        mux = self._new_mux(sandbox_id)
+        with phases.phase("runtime_start"):
+            await mux.start(attach=False)
+            self._mux[sandbox_id] = mux
+            undo.append(lambda: self._drop_mux(sandbox_id))
+            await self.restore(sandbox_id, new_netns=True)
+        with phases.phase("init_ready"):
+            await self._boot_wait(sandbox_id)
+            mac = files.mac
+            script = (
+                "B=/.corral/busybox; $B cat > /dev/urandom; "
+                f"$B ip link set eth0 down; $B ip link set eth0 address {mac}; "
+                f"$B ip link set eth0 up; $B ip route add default via {qemu.GUEST_NET[0]} "
+                f"2>/dev/null; $B hostname {spec.hostname}"
+            )
+            r = await self.agent(sandbox_id).exec(
+                ["/.corral/busybox", "sh", "-c", script], env={}, stdin=os.urandom(512)
+            )
+            if r.code != 0:
+                raise SandboxError(
+                    f"sandbox {sandbox_id}: fork identity not set: {r.stderr[-300:]!r}"
+                )
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
         raise InvalidRequest("snapshot: not yet for microvm sandboxes")
 
 
 _SNAP = "mem.snap"
+_FORK = "fork.snap"  # the machine state in a fork copy (mem.snap in each child)
 
 
-def _save(qmp_sock: Path, fd: int, timeout: float) -> dict[str, object]:
-    """Stop the guest, migrate its state into ``fd``, quit QEMU (blocking; a thread)."""
+def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[str, object]:
+    """Stop the guest, migrate its state into ``fd``, quit QEMU unless not ``quit`` (then
+    the guest stays stopped for the caller to ``cont``). Blocking: run in a thread."""
     with Qmp(qmp_sock) as q:
         q.cmd("stop")
         q.cmd("getfd", fds=[fd], fdname="snap")
         q.cmd("migrate", uri="fd:snap")
         stats = q.wait_migration(timeout)
-        q.cmd("quit")
+        if quit:
+            q.cmd("quit")
     return stats
 
 
