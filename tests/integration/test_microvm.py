@@ -450,8 +450,7 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert out["scenario"] == "microvm" and out["accel"] in ("kvm", "tcg")
     assert out["boot_to_exec_ms"]["p50"] > 0 and out["exec_p50_ms"] > 0
     assert out["host_mem_per_vm_mib"] > 0 and out["container_boot_to_exec_ms"] > 0
-    for k in ("dax", "fork_per_s"):
-        assert k in out
+    assert "dax" in out and out["fork_per_s"] > 0
     assert 0.5 < out["pause_released_fraction"] <= 1.0, out
     assert out["snapshot_resume_to_exec_ms"] > 0
     assert_no_leaks(state, run, sub)

@@ -19,8 +19,12 @@ attaches there, as for a container (see :mod:`.qemu`); a holder process keeps th
 and is the pid the node knows the sandbox by. Pause: the node's shared cgroup freeze, or
 :meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
 the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
-Not yet: virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs"),
-snapshot/fork/pack (``copy_writable`` and ``pack`` refuse with InvalidRequest).
+Fork: the machine is migrated into the fork copy with the disk (:meth:`copy_writable`),
+each child restored from it (:meth:`_create_fork`). Not yet: virtio-pmem with DAX for the
+layers (why: docs/design-notes.md, "MicroVMs"), and snapshot to a store layer (``pack``
+and ``copy_writable("snapshot")`` refuse with InvalidRequest: the writable layer is an ext4
+image the host must not mount, so packing it needs the guest's agent to stream its upper
+dir, which corral-init cannot see after switch_root yet).
 """
 
 from __future__ import annotations
@@ -179,6 +183,7 @@ class MicroVMBackend:
                 "layers": "virtio-blk",
                 "network": "tap+nat in the VMM netns",
                 "pause": "freeze, memory_snapshot",
+                "fork": "memory + disk",
                 **detail,
             },
         )
