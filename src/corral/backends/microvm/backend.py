@@ -302,7 +302,7 @@ class MicroVMBackend:
             mac=qemu.mac_of(sandbox_id),
             qmp_sock=d / "qmp.sock",
         )
-        argv = self._argv(files, spec)
+        argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
         # a restore starts the same VM
         (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
         run, env = qemu.trampoline(
@@ -345,13 +345,15 @@ class MicroVMBackend:
     def _uid(self) -> int:
         return self.config.vmm_uid or self.ctx.host_uid - 1
 
-    def _argv(self, files: qemu.VMFiles, spec: SandboxSpec) -> list[str]:
+    def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
+        """QEMU's command line, run with the sandbox dir as its cwd (a subclass with another
+        machine overrides this; a restore reuses what it returned, from ``vm.json``)."""
         return qemu.vm_argv(
             files,
             accel=self.accel,
             cpus=max(1, math.ceil(spec.limits.cpus)),
-            memory_mib=max(64, int(spec.limits.memory) >> 20),
-            runas=f"{self._uid}:{self._uid}",
+            memory_mib=mem_mib,
+            runas=f"{uid}:{uid}",
             dns=self._resolver(),
             hostname=spec.hostname,
         )
@@ -662,7 +664,7 @@ class MicroVMBackend:
             mac=qemu.mac_of(sandbox_id),
             qmp_sock=d / "qmp.sock",
         )
-        argv = self._argv(files, spec)
+        argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
         (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
         mux = self._new_mux(sandbox_id)
         with phases.phase("runtime_start"):
