@@ -336,10 +336,9 @@ class FakeNode(NodeOps):
 
     async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
         sb = self._sb(sandbox_id, wake=False)
-        if memory_snapshot and sb.info.spec.backend != "microvm":
-            raise InvalidRequest(
-                f"pause(memory_snapshot=True): not for {sb.info.spec.backend} sandboxes"
-            )
+        kind = sb.info.spec.backend or "container"
+        if memory_snapshot and kind != "microvm":
+            raise InvalidRequest(f"pause(memory_snapshot=True): not for {kind} sandboxes")
         if sb.info.state != "paused":
             sb.info = sb.info.model_copy(update={"state": "paused"})
             self._event(sandbox_id, "paused")

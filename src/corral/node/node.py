@@ -359,10 +359,9 @@ class Node:
         releasing all of its memory; the next request or resume restores it."""
         self.life.check_open()
         info = self.table.need(sandbox_id)
-        if memory_snapshot and not hasattr(self.backends.of(info), "pause_memory"):
-            raise InvalidRequest(
-                f"pause(memory_snapshot=True): not for {info.spec.backend} sandboxes"
-            )
+        backend = self.backends.of(info)
+        if memory_snapshot and not hasattr(backend, "pause_memory"):
+            raise InvalidRequest(f"pause(memory_snapshot=True): not for {backend.kind} sandboxes")
         await self._timed("pause", sandbox_id, self.pauser.pause(sandbox_id, memory_snapshot))
         return await self.sandbox_get(sandbox_id)
 
