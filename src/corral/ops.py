@@ -143,7 +143,11 @@ class SandboxOps(Protocol):
     async def sandbox_destroy(self, sandbox_id: str) -> None: ...
 
     # pause / resume (state kept; any request to a paused sandbox resumes it)
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo: ...
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
+        """Freeze and reclaim; ``memory_snapshot`` (microVMs): save the whole machine to a
+        file and end its VMM instead (all its memory released)."""
+        ...
+
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox; ``prefetch`` also starts reading all its memory back from
         swap (returns once the reads are started)."""

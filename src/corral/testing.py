@@ -334,8 +334,11 @@ class FakeNode(NodeOps):
             if all(s.info.spec.labels.get(k) == v for k, v in want.items())
         ]
 
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
         sb = self._sb(sandbox_id, wake=False)
+        kind = sb.info.spec.backend or "container"
+        if memory_snapshot and kind != "microvm":
+            raise InvalidRequest(f"pause(memory_snapshot=True): not for {kind} sandboxes")
         if sb.info.state != "paused":
             sb.info = sb.info.model_copy(update={"state": "paused"})
             self._event(sandbox_id, "paused")

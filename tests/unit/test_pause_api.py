@@ -64,3 +64,22 @@ def test_cli_pause_resume(fake: FakeNode) -> None:  # noqa: F811
     assert [i["id"] for i in json.loads(r.stdout)] == [sid]
     r = cli("sandbox", "pause")
     assert r.exit_code == 2 and "--label" in r.stderr
+
+
+async def test_memory_snapshot_pause_is_refused_for_containers(
+    client: corral.AsyncClient,  # noqa: F811
+) -> None:
+    """pause(memory_snapshot=True) crosses every transport; a container cannot do it."""
+    sb = await client.sandboxes.create(image="demo/python")
+    with pytest.raises(corral.errors.InvalidRequest, match="memory_snapshot.*container"):
+        await sb.pause(memory_snapshot=True)
+    assert (await sb.refresh()).state == "running"
+
+
+def test_cli_memory_snapshot_flag(fake: FakeNode) -> None:  # noqa: F811
+    r = cli("sandbox", "create", "demo/python")
+    sid = r.stdout.split()[0]
+    r = cli("sandbox", "pause", "--memory-snapshot", sid)
+    assert r.exit_code != 0 and "not for container sandboxes" in r.output, r.output
+    r = cli("sandbox", "pause", "--memory-snapshot", "--label", "a=b")
+    assert r.exit_code != 0 and "name sandbox ids" in r.output, r.output

@@ -413,8 +413,13 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         return Response(status_code=204)
 
     @r.post(sb + "/pause", response_model=SandboxInfo, tags=["sandboxes"])
-    async def sandbox_pause(sandbox_id: str) -> Response:
-        return _json(await ops.sandbox_pause(sandbox_id))
+    async def sandbox_pause(
+        sandbox_id: str,
+        memory_snapshot: bool = Query(
+            False, description="microVMs: save the machine to a file and end its VMM"
+        ),
+    ) -> Response:
+        return _json(await ops.sandbox_pause(sandbox_id, memory_snapshot))
 
     @r.post(sb + "/resume", response_model=SandboxInfo, tags=["sandboxes"])
     async def sandbox_resume(

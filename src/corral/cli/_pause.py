@@ -20,6 +20,13 @@ _Labels = Annotated[
     list[str] | None,
     typer.Option("--label", "-l", metavar="K=V", help="Every sandbox with these labels."),
 ]
+_MemSnap = Annotated[
+    bool,
+    typer.Option(
+        "--memory-snapshot",
+        help="microVMs: save each machine to a file and end its VMM (all memory released).",
+    ),
+]
 _Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 _Prefetch = Annotated[
     bool,
@@ -33,11 +40,14 @@ def _run(
     label: list[str] | None,
     pause: bool,
     prefetch: bool = False,
+    memory_snapshot: bool = False,
 ) -> None:
     g: Globals = ctx.obj
     labels = parse_pairs(label, "--label")
     if bool(ids) == bool(labels):
         raise InvalidRequest("name sandbox ids or give --label K=V (not both)")
+    if memory_snapshot and labels:
+        raise InvalidRequest("--memory-snapshot: name sandbox ids (not --label)")
 
     async def run() -> list[SandboxInfo]:
         async with g.client() as client:
@@ -49,7 +59,10 @@ def _run(
             handles = [await client.sandboxes.get(sid) for sid in ids or []]
             return list(
                 await asyncio.gather(
-                    *(sb.pause() if pause else sb.resume(prefetch=prefetch) for sb in handles)
+                    *(
+                        sb.pause(memory_snapshot) if pause else sb.resume(prefetch=prefetch)
+                        for sb in handles
+                    )
                 )
             )
 
@@ -68,10 +81,15 @@ def register(app: typer.Typer) -> None:
     """Add the pause and resume commands to ``corral sandbox``."""
 
     @app.command("pause")
-    def pause(ctx: typer.Context, sandbox_ids: _Ids = None, label: _Labels = None) -> None:
+    def pause(
+        ctx: typer.Context,
+        sandbox_ids: _Ids = None,
+        label: _Labels = None,
+        memory_snapshot: _MemSnap = False,
+    ) -> None:
         """Freeze sandboxes and move their memory to swap; state stays (any request, or
         ``resume``, thaws them). Prints each id with its memory resident and swapped."""
-        _run(ctx, sandbox_ids, label, pause=True)
+        _run(ctx, sandbox_ids, label, pause=True, memory_snapshot=memory_snapshot)
 
     @app.command("resume")
     def resume(

@@ -388,8 +388,8 @@ class FleetClient(NodeOps):
         return out
 
     # ------------------------------------------------------------------ per sandbox
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
-        return await self._route(sandbox_id).sandbox_pause(sandbox_id)
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
+        return await self._route(sandbox_id).sandbox_pause(sandbox_id, memory_snapshot)
 
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         return await self._route(sandbox_id).sandbox_resume(sandbox_id, prefetch)

@@ -31,7 +31,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -109,7 +109,13 @@ class Node:
         self.backends = host.backends
         self._lock_fd = host.lock_fd
         self.table = host.table
-        self.pauser = Pauser(self.cgroups, self.table, self.state.add_event)
+        self.pauser = Pauser(
+            self.cgroups,
+            self.table,
+            self.state.add_event,
+            save_memory=self._save_memory,
+            restore_memory=self._restore_memory,
+        )
         self.observer = Observer.for_node(
             self.state,
             config.metrics,
@@ -352,12 +358,28 @@ class Node:
         return await self._timed("fork", sandbox_id, self.snapshots.fork(sandbox_id, req))
 
     # ------------------------------------------------------------------ pause / resume
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze the sandbox and reclaim its memory to swap (see :mod:`corral.node.pause`)."""
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
+        """Freeze the sandbox and reclaim its memory to swap (see :mod:`corral.node.pause`).
+        ``memory_snapshot`` (microVMs): save the whole machine to a file and end its VMM,
+        releasing all of its memory; the next request or resume restores it."""
         self.life.check_open()
-        self.table.need(sandbox_id)
-        await self._timed("pause", sandbox_id, self.pauser.pause(sandbox_id))
+        info = self.table.need(sandbox_id)
+        backend = self.backends.of(info)
+        if memory_snapshot and not hasattr(backend, "pause_memory"):
+            raise InvalidRequest(f"pause(memory_snapshot=True): not for {backend.kind} sandboxes")
+        await self._timed("pause", sandbox_id, self.pauser.pause(sandbox_id, memory_snapshot))
         return await self.sandbox_get(sandbox_id)
+
+    async def _save_memory(self, sandbox_id: str) -> dict[str, Any]:
+        fn = getattr(self.backends.of(self.table.need(sandbox_id)), "pause_memory", None)
+        if fn is None:
+            raise InvalidRequest("pause(memory_snapshot=True): not for this backend")
+        return dict(await fn(sandbox_id))
+
+    async def _restore_memory(self, sandbox_id: str) -> None:
+        fn = getattr(self.backends.of(self.table.need(sandbox_id)), "restore", None)
+        if fn is not None:
+            await fn(sandbox_id)
 
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox; its pages come back from swap as they are touched, or with

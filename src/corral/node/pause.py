@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,8 +115,15 @@ class Pauser:
         cgroups: Cgroups,
         table: SandboxTable,
         event: Callable[[str, str, dict[str, Any]], object],
+        save_memory: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
+        restore_memory: Callable[[str], Awaitable[object]] | None = None,
     ) -> None:
         self.cgroups = cgroups
+        # pause(memory_snapshot=True): the backend saves the whole machine and ends it
+        # (microVMs); resume restores it, or the first request does (through the backend).
+        self._save_memory = save_memory
+        self._restore_memory = restore_memory
+        self._mem_paused: set[str] = set()
         self.table = table
         self._event = event
         self._stops: dict[str, threading.Event] = {}
@@ -165,9 +172,10 @@ class Pauser:
         return self.table.get(sid)
 
     # ------------------------------------------------------------------ pause
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
+    async def pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze and reclaim; returns the sandbox as ``paused`` (or as a concurrent
-        request left it: ``running`` when one resumed it meanwhile)."""
+        request left it: ``running`` when one resumed it meanwhile). ``memory_snapshot``:
+        the backend saves the machine to a file and ends it instead (all its memory freed)."""
         running = self._tasks.get(sandbox_id)
         if running is not None:
             return await asyncio.shield(running)
@@ -177,7 +185,12 @@ class Pauser:
             return info
         if info.state not in _PAUSABLE:
             raise Conflict(f"sandbox {sandbox_id} is {info.state}; only a running one pauses")
-        task = asyncio.ensure_future(self._pause(info))
+        if memory_snapshot:
+            if self._save_memory is None:
+                raise InvalidRequest("pause(memory_snapshot=True): not on this node")
+            task = asyncio.ensure_future(self._pause_memory(info, self._save_memory))
+        else:
+            task = asyncio.ensure_future(self._pause(info))
         self._tasks[sandbox_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(sandbox_id, None))
         # Once started, a pause runs to its end (or until a request stops it): a caller
@@ -235,6 +248,46 @@ class Pauser:
         )
         return cur
 
+    async def _pause_memory(
+        self, info: SandboxInfo, save: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> SandboxInfo:
+        """Requests in flight finish (up to PAUSE_GRACE), then the backend saves and ends
+        the machine. A request arriving during the save waits for it and then restores."""
+        sid = info.id
+        t0 = time.monotonic()
+        before = self._usage(sid)
+        info = self._set(info, "pausing")
+        deadline = time.monotonic() + PAUSE_GRACE
+        while self.table.busy(sid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        try:
+            detail = await save(sid)
+        except BaseException:
+            cur = self._get(sid)
+            if cur is not None and cur.state in ("pausing", "resuming"):
+                self._set(cur, "running")
+            raise
+        cur = self._get(sid)
+        if cur is None or cur.state not in ("pausing", "resuming"):
+            return cur or info  # destroyed meanwhile
+        self._mem_paused.add(sid)
+        if cur.state == "resuming":  # a request came meanwhile: it restores the machine
+            return self._finish_wake(cur, t0, transparent=True, thaw=False)
+        resident, swapped = self._usage(sid)
+        cur = self._set(cur, "paused")
+        self._event(
+            sid,
+            "paused",
+            {
+                "ms": round((time.monotonic() - t0) * 1000, 1),
+                "resident_before": before[0],
+                "resident": resident,
+                "swapped": swapped,
+                **detail,
+            },
+        )
+        return cur
+
     def _reclaim(self, sid: str, stop: threading.Event) -> None:
         try:
             self.cgroups.reclaim(sid, stop.is_set)
@@ -264,6 +317,7 @@ class Pauser:
             return info
         if info.state not in (*_ASLEEP, "resuming"):
             raise Conflict(f"sandbox {sandbox_id} is {info.state}; only a paused one resumes")
+        mem = sandbox_id in self._mem_paused
         own = prefetch and sandbox_id not in self._deferred  # a second caller just waits
         if own:
             self._deferred[sandbox_id] = None
@@ -272,6 +326,8 @@ class Pauser:
             task = self._tasks.get(sandbox_id)
             if task is not None:
                 info = await asyncio.shield(task)
+            if mem and info.state == "running" and self._restore_memory is not None:
+                await self._restore_memory(sandbox_id)  # else the first request would
         finally:
             detail = self._deferred.pop(sandbox_id, None) if own else None
         if detail is None:  # not woken by this call (held frozen, destroyed meanwhile)
@@ -338,7 +394,10 @@ class Pauser:
         if info.state == "pausing" and stop is not None:
             stop.set()
             return self._set(info, "resuming")
+        if info.state == "pausing":  # a memory save in progress: it ends in "running"
+            return self._set(info, "resuming")
         t0 = time.monotonic()
+        self._mem_paused.discard(sandbox_id)  # nothing frozen then: the thaw is a no-op
         info = self._set(info, "resuming")
         try:
             self._thaw(sandbox_id)
@@ -441,6 +500,7 @@ class Pauser:
 
     def forget(self, sandbox_id: str) -> None:
         """The sandbox is being destroyed: stop its freeze or reclaim."""
+        self._mem_paused.discard(sandbox_id)
         stop = self._stops.get(sandbox_id)
         if stop is not None:
             stop.set()

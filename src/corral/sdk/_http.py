@@ -217,8 +217,9 @@ class HTTPOps(NodeOps):
     async def sandbox_destroy(self, sandbox_id: str) -> None:
         await self._call("DELETE", self._sb(sandbox_id))
 
-    async def sandbox_pause(self, sandbox_id: str) -> SandboxInfo:
-        resp = await self._call("POST", self._sb(sandbox_id, "/pause"))
+    async def sandbox_pause(self, sandbox_id: str, memory_snapshot: bool = False) -> SandboxInfo:
+        params = {"memory_snapshot": "true"} if memory_snapshot else None
+        resp = await self._call("POST", self._sb(sandbox_id, "/pause"), params=params)
         return SandboxInfo.model_validate_json(resp.content)
 
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:

@@ -302,10 +302,12 @@ class Sandbox:
     async def destroy(self) -> None:
         await self._ops.sandbox_destroy(self.id)
 
-    async def pause(self) -> SandboxInfo:
+    async def pause(self, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze every process and move the sandbox's memory to swap; all state stays.
-        Any later request (exec, files, shell) resumes it first, or call ``resume``."""
-        self._info = await self._ops.sandbox_pause(self.id)
+        Any later request (exec, files, shell) resumes it first, or call ``resume``.
+        ``memory_snapshot`` (microVMs): the machine is saved to a file and its VMM ends,
+        so none of its memory stays on the host; a request or ``resume`` restores it."""
+        self._info = await self._ops.sandbox_pause(self.id, memory_snapshot)
         return self._info
 
     async def resume(self, prefetch: bool = False) -> SandboxInfo:

@@ -620,11 +620,13 @@ class BlockingSandbox(_Handle):
     def destroy(self) -> None:
         self._portal.call(self._obj.destroy())
 
-    def pause(self) -> SandboxInfo:
+    def pause(self, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze every process and move the sandbox's memory to swap; all state stays.
         Any later request (exec, files, shell) resumes it first, or call ``resume``.
+        ``memory_snapshot`` (microVMs): the machine is saved to a file and its VMM ends,
+        so none of its memory stays on the host; a request or ``resume`` restores it.
         """
-        return self._portal.call(self._obj.pause())
+        return self._portal.call(self._obj.pause(memory_snapshot))
 
     def resume(self, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox. Its memory comes back from swap as it is touched, or, with

@@ -13,21 +13,31 @@ Create, in order (each step undone if a later one fails):
 
 The image's EROFS layers are given to the guest read-only as virtio-blk disks, straight
 from the layer store's files (one host page cache with every container using them).
-Pause/resume use the node's shared cgroup freeze (QEMU is in the sandbox's cgroup).
-Not yet: virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs"),
-network (a policy with names is refused), memory-snapshot pause, snapshot/fork/pack
-(``copy_writable`` and ``pack`` refuse with InvalidRequest).
+
+Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0`` the node
+attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
+and is the pid the node knows the sandbox by. Pause: the node's shared cgroup freeze, or
+:meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
+the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
+Fork: the machine is migrated into the fork copy with the disk (:meth:`copy_writable`),
+each child restored from it (:meth:`_create_fork`). Not yet: virtio-pmem with DAX for the
+layers (why: docs/design-notes.md, "MicroVMs"), and snapshot to a store layer (``pack``
+and ``copy_writable("snapshot")`` refuse with InvalidRequest: the writable layer is an ext4
+image the host must not mount, so packing it needs the guest's agent to stream its upper
+dir, which corral-init cannot see after switch_root yet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,14 +52,16 @@ from corral.backends.base import (
     NoPhases,
     Phases,
     Started,
+    in_thread,
     run_undo,
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
 from corral.backends.microvm import guest, qemu
 from corral.backends.microvm.files import AgentFiles
+from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
-from corral.errors import HostError, InvalidRequest, SandboxError
+from corral.errors import Conflict, HostError, InvalidRequest, SandboxError
 from corral.init import ensure_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
@@ -169,6 +181,9 @@ class MicroVMBackend:
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
                 "layers": "virtio-blk",
+                "network": "tap+nat in the VMM netns",
+                "pause": "freeze, memory_snapshot",
+                "fork": "memory + disk",
                 **detail,
             },
         )
@@ -204,7 +219,11 @@ class MicroVMBackend:
         return pid
 
     def alive(self, sandbox_id: str) -> bool:
+        """The VMM runs, or the VM is saved to a memory snapshot (its netns holder runs)."""
         pid = self.vmm_pid(sandbox_id)
+        if pid is None and self.saved(sandbox_id):
+            with contextlib.suppress(SandboxError):
+                pid = self._holder(sandbox_id)
         if pid is None:
             return False
         try:
@@ -228,14 +247,13 @@ class MicroVMBackend:
             raise HostError("microvm backend not started")
         if self.broken:
             raise HostError(f"microvm backend unavailable: {self.broken}")
-        if writable_from is not None:
-            raise InvalidRequest("fork: not yet for microvm sandboxes")
-        if spec.network.allow:
-            raise InvalidRequest("network: not yet for microvm sandboxes (default: none)")
         undo: list[Callable[[], object]] = []
         try:
-            pid = await self._create(sandbox_id, spec, image, undo, phases)
-            return Started(pid=pid, cgroup=sandbox_id)
+            if writable_from is not None:
+                await self._create_fork(sandbox_id, spec, image, writable_from, undo, phases)
+            else:
+                await self._create(sandbox_id, spec, image, undo, phases)
+            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
         except BaseException:
             await run_undo(undo)
             raise
@@ -247,7 +265,7 @@ class MicroVMBackend:
         image: ImageInfo,
         undo: list[Callable[[], object]],
         phases: Phases,
-    ) -> int:
+    ) -> None:
         assert self.kernel is not None and self.initrd is not None
         d = self.dir(sandbox_id)
         with phases.phase("layer_mounts"):
@@ -255,10 +273,15 @@ class MicroVMBackend:
         with phases.phase("rootfs"):
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
             await asyncio.to_thread(self.scratch.create_subvol, sandbox_id, quota=spec.limits.disk)
-            os.chmod(d, 0o700)
+            # QEMU's chroot: the VMM uid may look names up here but not list the dir, and
+            # owns only its writable disk (a migration's end reopens it by name, as that
+            # uid); the node's sockets and the snapshot file stay root's, 0600.
+            os.chmod(d, 0o711)
             await asyncio.to_thread(_make_disk, d / "disk.img", int(spec.limits.disk))
+            # Safe: chown of the file just made in the sandbox's own subvolume.
+            os.chown(d / "disk.img", self._uid, self._uid)
+            os.chmod(d / "disk.img", 0o600)
         latency = spec.qos == "latency"
-        mem_mib = max(64, int(spec.limits.memory) >> 20)
         self.cgroups.create(
             sandbox_id,
             cpus=spec.limits.cpus,
@@ -276,16 +299,18 @@ class MicroVMBackend:
             console=d / "console.log",
             vm_sock=d / "vm.sock",
             pidfile=d / "vmm.pid",
+            mac=qemu.mac_of(sandbox_id),
+            qmp_sock=d / "qmp.sock",
         )
-        uid = self.config.vmm_uid or self.ctx.host_uid - 1
-        argv = qemu.vm_argv(
-            files,
-            accel=self.accel,
-            cpus=max(1, math.ceil(spec.limits.cpus)),
-            memory_mib=mem_mib,
-            runas=f"{uid}:{uid}",
+        argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
+        # a restore starts the same VM
+        (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
+        run, env = qemu.trampoline(
+            self.cgroups.procs_files(sandbox_id),
+            argv,
+            uid=self._uid,
+            holder_file=d / "netns.pid",
         )
-        run, env = qemu.trampoline(self.cgroups.procs_files(sandbox_id), argv)
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
             # "$@"), in the sandbox's cgroup and a new netns, dropping to an unprivileged
@@ -297,6 +322,7 @@ class MicroVMBackend:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=d,
             )
             out, _ = await proc.communicate()
             if proc.returncode != 0:
@@ -308,12 +334,49 @@ class MicroVMBackend:
             if pid is None:
                 raise SandboxError(f"sandbox {sandbox_id}: QEMU started but is not running")
             qos.apply(pid, spec.qos)
-            mux = HostMux(d / "vm.sock", d / "ctl.sock")
+            mux = self._new_mux(sandbox_id)
             await mux.start()
             self._mux[sandbox_id] = mux
             undo.append(lambda: self._drop_mux(sandbox_id))
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
+
+    @property
+    def _uid(self) -> int:
+        return self.config.vmm_uid or self.ctx.host_uid - 1
+
+    def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
+        """QEMU's command line, run with the sandbox dir as its cwd (a subclass with another
+        machine overrides this; a restore reuses what it returned, from ``vm.json``)."""
+        return qemu.vm_argv(
+            files,
+            accel=self.accel,
+            cpus=max(1, math.ceil(spec.limits.cpus)),
+            memory_mib=mem_mib,
+            runas=f"{uid}:{uid}",
+            dns=self._resolver(),
+            hostname=spec.hostname,
+        )
+
+    def _resolver(self) -> str | None:
+        """The nameserver the node gives containers (its resolv.conf mount), if any."""
+        for m in self.ctx.extra_mounts:
+            if m.get("destination") == "/etc/resolv.conf":
+                with contextlib.suppress(OSError):
+                    for line in Path(str(m["source"])).read_text().splitlines():
+                        if line.startswith("nameserver "):
+                            return line.split()[1]
+        return None
+
+    def _holder(self, sandbox_id: str) -> int:
+        """The pid holding the VMM's network namespace (the node plugs its veth in there;
+        it outlives QEMU across a memory-snapshot pause)."""
+        try:
+            pid = int((self.dir(sandbox_id) / "netns.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            raise SandboxError(f"sandbox {sandbox_id}: the VMM's netns holder is gone") from None
+        if pid not in self.cgroups.procs(sandbox_id):
+            raise SandboxError(f"sandbox {sandbox_id}: the VMM's netns holder is gone")
         return pid
 
     async def _boot_wait(self, sandbox_id: str) -> None:
@@ -348,19 +411,24 @@ class MicroVMBackend:
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
         """Reconnect to a running VM after a node restart (QEMU is free for a new client
-        once the old node's connection closed)."""
+        once the old node's connection closed); a VM saved to a memory snapshot gets its
+        listener back and is restored on its first request."""
         if not self.alive(sandbox_id):
             return None
-        pid = self.vmm_pid(sandbox_id)
-        assert pid is not None
-        mux = HostMux(self.dir(sandbox_id) / "vm.sock", self.dir(sandbox_id) / "ctl.sock")
+        saved = self.vmm_pid(sandbox_id) is None
+        mux = self._new_mux(sandbox_id)
         try:
-            await mux.start()
+            await mux.start(attach=not saved)
         except SandboxError as e:
             log.warning("adopt %s: %s", sandbox_id, e)
             return None
         self._mux[sandbox_id] = mux
-        return Started(pid=pid, cgroup=sandbox_id)
+        try:
+            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+        except SandboxError as e:
+            log.warning("adopt %s: %s", sandbox_id, e)
+            await self._drop_mux(sandbox_id)
+            return None
 
     async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> bool:
         """SIGKILL every process of the sandbox's cgroup (QEMU and whatever it left) and
@@ -399,14 +467,264 @@ class MicroVMBackend:
         if errors:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
+    # ------------------------------------------------------------------ memory snapshots
+    def saved(self, sandbox_id: str) -> bool:
+        """The VM is saved to its memory snapshot file (the VMM gone until a request)."""
+        return (self.dir(sandbox_id) / _SNAP).exists()
+
+    def _new_mux(self, sandbox_id: str) -> HostMux:
+        d = self.dir(sandbox_id)
+        return HostMux(d / "vm.sock", d / "ctl.sock", wake=lambda: self.restore(sandbox_id))
+
+    async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
+        """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
+        and end the VMM: nothing of the guest stays in host memory (the file's page cache
+        is dropped too). The node keeps listening on the sandbox's control socket; the
+        next request (or :meth:`restore`) brings the VM back from the file. Returns figures
+        for the node's ``paused`` event."""
+        d = self.dir(sandbox_id)
+        pid = self.vmm_pid(sandbox_id)
+        if pid is None:
+            raise SandboxError(f"sandbox {sandbox_id}: no VMM to save")
+        t0 = time.monotonic()
+        tmp = d / (_SNAP + ".tmp")
+        # Safe: a new file in the sandbox's own dir (root's, 0700), handed to QEMU by fd.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        mux = self._mux.get(sandbox_id)
+        if mux is not None:
+            mux.hold()  # a request arriving now waits for the save, then restores
+        try:
+            stats = await asyncio.to_thread(_save, d / "qmp.sock", fd, timeout)
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):  # the guest runs on as before
+                await asyncio.to_thread(_qmp_cont, d / "qmp.sock")
+            if mux is not None:
+                mux.release()
+            raise
+        os.close(fd)
+        os.replace(tmp, d / _SNAP)
+        if mux is not None:
+            await mux.detach()
+        # QEMU quits on its own after "quit"; a VMM that lingers is killed (the state is
+        # saved): only QEMU, not the netns holder.
+        _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
+        while self.vmm_pid(sandbox_id) is not None:
+            await asyncio.sleep(0.01)
+        if mux is not None:
+            mux.release()
+        return {
+            "memory_snapshot": True,
+            "snapshot_bytes": size,
+            "save_ms": round((time.monotonic() - t0) * 1000, 1),
+            "migrate_ms": stats.get("total-time"),
+        }
+
+    async def restore(
+        self, sandbox_id: str, timeout: float = 300.0, new_netns: bool = False
+    ) -> float:
+        """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
+        snapshot file is removed once the guest runs. Returns the seconds it took. A
+        corrupt or missing snapshot is a SandboxError naming it (the VMM killed)."""
+        d = self.dir(sandbox_id)
+        if self.vmm_pid(sandbox_id) is not None:
+            return 0.0
+        snap = d / _SNAP
+        if not snap.exists():
+            raise SandboxError(f"sandbox {sandbox_id}: no memory snapshot to restore")
+        t0 = time.monotonic()
+        vm = json.loads((d / "vm.json").read_text())
+        argv = [*vm["argv"], "-incoming", "defer"]
+        run, env = qemu.trampoline(
+            self.cgroups.procs_files(sandbox_id),
+            argv,
+            uid=self._uid,
+            holder_file=d / "netns.pid",
+            join_netns=None if new_netns else self._holder(sandbox_id),
+        )
+        # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
+        # netns and cgroup (see create()).
+        proc = await asyncio.create_subprocess_exec(
+            *run,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=d,
+        )
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: QEMU did not start for the restore "
+                f"(exit {proc.returncode}): " + out.decode(errors="replace").strip()[-1000:]
+            )
+        fd = os.open(snap, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await asyncio.to_thread(_load, d / "qmp.sock", fd, timeout)
+        except BaseException as e:
+            pid = self.vmm_pid(sandbox_id)
+            if pid is not None:
+                _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
+            if isinstance(e, SandboxError):
+                raise SandboxError(
+                    f"sandbox {sandbox_id}: restore from {snap.name} failed: {e}"
+                ) from None
+            raise
+        finally:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        snap.unlink()
+        pid = self.vmm_pid(sandbox_id)
+        if pid is not None:
+            qos.apply(pid, vm["qos"])
+        mux = self._mux.get(sandbox_id)
+        if mux is not None and not mux.connected:
+            await mux.attach()
+        return time.monotonic() - t0
+
     # ------------------------------------------------------------------ not yet
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
     ) -> float:
-        raise InvalidRequest(f"{purpose}: not yet for microvm sandboxes")
+        """Fork: the whole machine. QEMU stops the guest and migrates it into ``fork.snap``
+        in the sandbox dir, the subvolume (writable disk + that file) is snapshotted as
+        ``dst``, and the guest goes on (``cont``). Returns the seconds it was stopped. A VM
+        saved by a memory-snapshot pause is copied as it is. (``frozen`` is not used: QMP
+        cannot talk to a frozen QEMU; ``stop`` is the freeze.)"""
+        if purpose != "fork":
+            raise InvalidRequest(f"{purpose}: not yet for microvm sandboxes")
+        d = self.dir(sandbox_id)
+        scratch = self.scratch
+        if self.saved(sandbox_id):
+            await in_thread(scratch.snapshot, sandbox_id, dst, None)
+            os.replace(scratch.mountpoint / dst / _SNAP, scratch.mountpoint / dst / _FORK)
+            return 0.0
+        if self.cgroups.is_frozen(sandbox_id):
+            raise Conflict(
+                f"sandbox {sandbox_id} is paused (frozen): resume it, or pause it with "
+                "memory_snapshot=True, before forking a microVM"
+            )
+        t0 = time.monotonic()
+        # Safe: a new file in the sandbox's own dir (root's), handed to QEMU by fd.
+        fd = os.open(d / _FORK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await asyncio.to_thread(_save, d / "qmp.sock", fd, 300.0, False)
+            os.fsync(fd)
+            await in_thread(scratch.snapshot, sandbox_id, dst, None)
+        finally:
+            os.close(fd)
+            (d / _FORK).unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(_qmp_cont, d / "qmp.sock")
+        return time.monotonic() - t0
+
+    async def _create_fork(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        base: str,
+        undo: list[Callable[[], object]],
+        phases: Phases,
+    ) -> None:
+        """A child from a fork copy: its subvolume a snapshot of ``base`` (the parent's
+        disk and machine state), a netns and tap of its own, QEMU restored from the state,
+        then its own identity (MAC, hostname, a reseeded random pool) set through the agent."""
+        d = self.dir(sandbox_id)
+        with phases.phase("rootfs"):
+            undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
+            await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
+            for stale in ("vmm.pid", "netns.pid", "console.log", "ctl.sock", "qmp.sock", "vm.sock"):
+                (d / stale).unlink(missing_ok=True)
+            os.replace(d / _FORK, d / _SNAP)
+        self.cgroups.create(
+            sandbox_id,
+            cpus=spec.limits.cpus,
+            memory=int(spec.limits.memory) + self.config.memory_overhead,
+            pids=_PIDS,
+            latency=spec.qos == "latency",
+        )
+        undo.append(lambda: self.cgroups.remove(sandbox_id))
+        undo.append(lambda: self.kill_all(sandbox_id))
+        assert self.kernel is not None and self.initrd is not None
+        layers = [self.ctx.store.path_of(digest) for digest in image.layers]
+        files = qemu.VMFiles(
+            kernel=self.kernel.vmlinuz,
+            initrd=self.initrd,
+            layers=layers,
+            disk=d / "disk.img",
+            console=d / "console.log",
+            vm_sock=d / "vm.sock",
+            pidfile=d / "vmm.pid",
+            mac=qemu.mac_of(sandbox_id),
+            qmp_sock=d / "qmp.sock",
+        )
+        argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
+        (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
+        mux = self._new_mux(sandbox_id)
+        with phases.phase("runtime_start"):
+            await mux.start(attach=False)
+            self._mux[sandbox_id] = mux
+            undo.append(lambda: self._drop_mux(sandbox_id))
+            await self.restore(sandbox_id, new_netns=True)
+        with phases.phase("init_ready"):
+            await self._boot_wait(sandbox_id)
+            mac = files.mac
+            script = (
+                "B=/.corral/busybox; $B cat > /dev/urandom; "
+                f"$B ip link set eth0 down; $B ip link set eth0 address {mac}; "
+                f"$B ip link set eth0 up; $B ip route add default via {qemu.GUEST_NET[0]} "
+                f"2>/dev/null; $B hostname {spec.hostname}"
+            )
+            r = await self.agent(sandbox_id).exec(
+                ["/.corral/busybox", "sh", "-c", script], env={}, stdin=os.urandom(512)
+            )
+            if r.code != 0:
+                raise SandboxError(
+                    f"sandbox {sandbox_id}: fork identity not set: {r.stderr[-300:]!r}"
+                )
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
         raise InvalidRequest("snapshot: not yet for microvm sandboxes")
+
+
+_SNAP = "mem.snap"
+_FORK = "fork.snap"  # the machine state in a fork copy (mem.snap in each child)
+
+
+def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[str, object]:
+    """Stop the guest, migrate its state into ``fd``, quit QEMU unless not ``quit`` (then
+    the guest stays stopped for the caller to ``cont``). Blocking: run in a thread."""
+    with Qmp(qmp_sock) as q:
+        q.cmd("stop")
+        q.cmd("getfd", fds=[fd], fdname="snap")
+        q.cmd("migrate", uri="fd:snap")
+        stats = q.wait_migration(timeout)
+        if quit:
+            q.cmd("quit")
+    return stats
+
+
+def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
+    """Feed ``fd`` to a QEMU started with ``-incoming defer``; wait until the guest runs."""
+    with Qmp(qmp_sock) as q:
+        q.cmd("getfd", fds=[fd], fdname="snap")
+        q.cmd("migrate-incoming", uri="fd:snap")
+        q.wait_migration(timeout)
+        # the source was stopped before it was saved, so the state arrives stopped
+        if q.cmd("query-status").get("status") != "running":
+            q.cmd("cont")
+        q.wait_status("running", timeout)
+
+
+def _qmp_cont(qmp_sock: Path) -> None:
+    with Qmp(qmp_sock, timeout=5.0) as q:
+        q.cmd("cont")
 
 
 def _make_disk(path: Path, size: int) -> None:

@@ -38,7 +38,7 @@ from corral.errors import HostError
 
 __all__ = ["INIT_SCRIPT", "Kernel", "build_initramfs", "fetch_kernel", "find_kernel"]
 
-MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "erofs", "overlay")
+MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
 """Modules the guest loads (their dependencies come first, from modules.dep)."""
 
 BUSYBOX = Path("/bin/busybox")
@@ -53,7 +53,11 @@ fail() { echo "corral-initramfs: $*" > /dev/console; $B sync; $B poweroff -f; }
 for m in $($B cat /modules.list); do $B insmod "/modules/$m" || fail "insmod $m"; done
 n=0
 for a in $($B cat /proc/cmdline); do
-  case "$a" in corral.layers=*) n=${a#corral.layers=};; corral.probe=1) probe=1;; esac
+  case "$a" in
+    corral.layers=*) n=${a#corral.layers=};; corral.probe=1) probe=1;;
+    corral.net=*) net=${a#corral.net=};; corral.dns=*) dns=${a#corral.dns=};;
+    corral.hostname=*) hn=${a#corral.hostname=};;
+  esac
 done
 if [ -n "$probe" ]; then echo "corral-probe-ok" > /dev/console; $B poweroff -f; fi
 disk() {  # the /dev node of the virtio disk with this serial
@@ -85,6 +89,20 @@ $B mkdir -p /newroot/.corral /newroot/proc /newroot/sys /newroot/dev /newroot/tm
 $B mount -t tmpfs -o mode=0755,size=4m corral /newroot/.corral
 $B cp /bin/corral-init /newroot/.corral/init
 $B cp /bin/busybox /newroot/.corral/busybox
+# The NIC (a tap NATed to the sandbox's eth0 on the host; no eth0 there: no network)
+$B ip link set lo up
+if [ -n "$net" ] && [ -e /sys/class/net/eth0 ]; then
+  $B ip link set eth0 up && $B ip addr add "${net%,*}" dev eth0 \
+    && $B ip route add default via "${net#*,}" || fail "network"
+fi
+[ -n "$hn" ] && $B hostname "$hn"
+if [ -n "$dns" ]; then  # as containers: the node resolver, bound read-only
+  echo "nameserver $dns" > /newroot/.corral/resolv.conf
+  echo "options timeout:1 attempts:2" >> /newroot/.corral/resolv.conf
+  [ -e /newroot/etc/resolv.conf ] || { $B mkdir -p /newroot/etc; : > /newroot/etc/resolv.conf; }
+  $B mount --bind /newroot/.corral/resolv.conf /newroot/etc/resolv.conf \
+    && $B mount -o remount,bind,ro /newroot/etc/resolv.conf
+fi
 $B mount -o remount,ro,nosuid,nodev /newroot/.corral
 port=""
 for p in /sys/class/virtio-ports/*; do

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -26,9 +27,26 @@ from pathlib import Path
 
 from corral.errors import HostError
 
-__all__ = ["QEMU", "VMFiles", "probe_accel", "vm_argv"]
+__all__ = [
+    "GUEST_NET",
+    "QEMU",
+    "TAP",
+    "VMFiles",
+    "mac_of",
+    "probe_accel",
+    "trampoline",
+    "vm_argv",
+]
 
 QEMU = "qemu-system-x86_64"
+
+TAP = "tap0"
+"""The guest NIC's host end, in the VMM's network namespace."""
+GUEST_NET = ("100.127.255.253", "100.127.255.254", 30)
+"""(the tap's address, the guest's address, prefix): a link private to one VM's netns,
+NATed there to the ``eth0`` the node attaches (so the guest's packets leave with the
+sandbox's address, through the node's nft rules like a container's). From the CGNAT
+range, which a node subnet is unlikely to overlap."""
 
 # QEMU 7.2 installs its filter before it daemonizes (a fork) and drops to -runas (setuid),
 # so spawn=deny and elevateprivileges=deny would kill it at start (SIGSYS, seen here).
@@ -47,6 +65,12 @@ class VMFiles:
     console: Path
     vm_sock: Path
     pidfile: Path
+    mac: str = ""
+    """The guest NIC's MAC (its identity on the sandbox's network); empty: no NIC."""
+    qmp_sock: Path | None = None
+    """QEMU's QMP control socket (memory snapshots), in the sandbox dir."""
+    incoming: bool = False
+    """Start waiting for a migration stream (``-incoming defer``): a memory-snapshot restore."""
 
 
 def vm_argv(
@@ -57,9 +81,20 @@ def vm_argv(
     memory_mib: int,
     runas: str | None,
     qemu: str = QEMU,
+    dns: str | None = None,
+    hostname: str | None = None,
 ) -> list[str]:
-    """The full QEMU command line of one VM."""
+    """The full QEMU command line of one VM, to be run with the sandbox dir
+    (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
+    /etc/resolv.conf names (the node's); ``hostname``: the guest's."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
+    if files.mac:
+        tap_addr, guest_addr, prefix = GUEST_NET
+        append += f" corral.net={guest_addr}/{prefix},{tap_addr}"
+    if dns:
+        append += f" corral.dns={dns}"
+    if hostname:
+        append += f" corral.hostname={hostname}"
     if accel == "tcg":
         # TCG's TSC runs at the host's rate, but -M microvm has no HPET or PM timer to
         # calibrate it against and PIT calibration fails on a loaded host (seen: "tsc:
@@ -105,6 +140,19 @@ def vm_argv(
         "-pidfile",
         str(files.pidfile),
     ]
+    if files.mac:
+        # The tap the trampoline made in the VMM's netns (see trampoline()); QEMU opens it
+        # before it chroots and drops to the VMM uid (the tap is that uid's).
+        argv += [
+            "-netdev",
+            f"tap,id=n0,ifname={TAP},script=no,downscript=no",
+            "-device",
+            f"virtio-net-device,netdev=n0,mac={files.mac}",
+        ]
+    if files.qmp_sock is not None:
+        argv += ["-qmp", f"unix:{files.qmp_sock},server=on,wait=off"]
+    if files.incoming:
+        argv += ["-incoming", "defer"]
     for i, layer in enumerate(files.layers):
         # Shared read-only by every VM using the layer: no image locks.
         argv += [
@@ -113,9 +161,12 @@ def vm_argv(
             "-device",
             f"virtio-blk-device,drive=l{i},serial=l{i}",
         ]
+    # The writable disk by a path relative to the sandbox dir (QEMU's cwd, then its
+    # chroot): when a migration (memory snapshot) ends, QEMU reopens the writable disk
+    # read-only, by name, from inside the chroot; an absolute host path is not there.
     argv += [
         "-drive",
-        f"id=rw,file={files.disk},format=raw,if=none,discard=unmap",
+        f"id=rw,file={files.disk.name},format=raw,if=none,discard=unmap",
         "-device",
         "virtio-blk-device,drive=rw,serial=rw",
     ]
@@ -139,19 +190,88 @@ def host_tsc_khz() -> int | None:
     return None
 
 
-def trampoline(procs_files: list[Path], argv: list[str]) -> tuple[list[str], dict[str, str]]:
+def mac_of(name: str) -> str:
+    """A locally administered unicast MAC derived from ``name`` (a sandbox id): each
+    sandbox, and each fork, has its own."""
+    h = hashlib.sha256(name.encode()).digest()
+    return "52:54:" + ":".join(f"{b:02x}" for b in h[:4])
+
+
+# Run by root in the VMM's new network namespace, before QEMU: the tap (owned by the VMM
+# uid), forwarding from the tap to the eth0 the node may attach later, NAT out of it, and
+# nothing from the guest to the namespace itself. Then a holder process (the VMM uid,
+# sleeping) keeps the namespace alive while QEMU is gone (a memory-snapshot pause); its
+# pid goes where the backend finds it.
+_NETNS_SETUP = r"""
+set -e
+ip link set lo up
+ip tuntap add dev "$CORRAL_TAP" mode tap user "$CORRAL_UID" group "$CORRAL_UID"
+ip addr add "$CORRAL_TAP_ADDR" dev "$CORRAL_TAP"
+ip link set "$CORRAL_TAP" up
+echo 1 > /proc/sys/net/ipv4/ip_forward
+echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6
+echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6
+nft -f - <<EOF
+table ip corral_vm {
+  chain guest_fwd {
+    type filter hook forward priority 0; policy drop;
+    iifname "$CORRAL_TAP" oifname "eth0" accept
+    iifname "eth0" oifname "$CORRAL_TAP" ct state established,related accept
+  }
+  chain guest_in {
+    type filter hook input priority 0; policy accept;
+    iifname "$CORRAL_TAP" drop
+  }
+  chain guest_nat {
+    type nat hook postrouting priority 100;
+    oifname "eth0" masquerade
+  }
+}
+EOF
+setpriv --reuid="$CORRAL_UID" --regid="$CORRAL_UID" --clear-groups -- sleep infinity \
+  </dev/null >/dev/null 2>&1 &
+echo $! > "$CORRAL_HOLDER"
+set +e
+exec "$@"
+"""
+
+
+def trampoline(
+    procs_files: list[Path],
+    argv: list[str],
+    *,
+    uid: int,
+    holder_file: Path,
+    join_netns: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """``argv`` run by a shell that first moves itself into the cgroup (every
-    ``cgroup.procs`` file given) and then into a new network namespace, so QEMU starts
-    there and all its threads stay there. Returns the argv and the environment to run."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        raise HostError("microvm: unshare (util-linux) not found")
+    ``cgroup.procs`` file given) and then into the VMM's network namespace, so QEMU starts
+    there and all its threads stay there. Returns the argv and the environment to run.
+
+    A new namespace (``join_netns`` None) is set up by :data:`_NETNS_SETUP` (the tap, the
+    NAT, the holder whose pid goes to ``holder_file``); a restore joins the namespace of the
+    holder ``join_netns`` (its tap, and the eth0 the node attached, are still there)."""
+    unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
+    if unshare is None or nsenter is None:
+        raise HostError("microvm: unshare/nsenter (util-linux) not found")
     script = 'for f in $CORRAL_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
     env_files = " ".join(str(p) for p in procs_files)
     if any(" " in str(p) for p in procs_files):
         raise HostError(f"microvm: cgroup path with a space: {env_files!r}")
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CORRAL_PROCS": env_files}
-    return ["/bin/sh", "-c", script, "corral-vmm", unshare, "--net", "--", *argv], env
+    tap_addr, _, prefix = GUEST_NET
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "CORRAL_PROCS": env_files,
+        "CORRAL_UID": str(uid),
+        "CORRAL_TAP": TAP,
+        "CORRAL_TAP_ADDR": f"{tap_addr}/{prefix}",
+        "CORRAL_HOLDER": str(holder_file),
+    }
+    if join_netns is not None:
+        enter = [nsenter, f"--net=/proc/{join_netns}/ns/net", "--"]
+        return ["/bin/sh", "-c", script, "corral-vmm", *enter, *argv], env
+    inner = ["/bin/sh", "-c", _NETNS_SETUP, "corral-vmm-net"]
+    return ["/bin/sh", "-c", script, "corral-vmm", unshare, "--net", "--", *inner, *argv], env
 
 
 async def probe_accel(kernel: Path, initrd: Path, timeout: float = 15.0) -> tuple[str, str]:

@@ -9,6 +9,10 @@ carries each accepted connection as a *channel* over ``vm.sock``; corral-init's 
 ``u32 channel (BE) · u8 kind · u32 length (BE) · payload``; kinds ``o`` open, ``d`` data,
 ``c`` close, ``r`` reset (sent first on every new connection to ``vm.sock``: the guest
 drops channels of an earlier node process). Documented in docs/init-protocol.md.
+
+While the VM is saved to a memory snapshot (its VMM gone), the node keeps listening on
+``ctl.sock``: the first connection calls ``wake`` (the backend restores the VM and calls
+:meth:`HostMux.attach`), so any request resumes the sandbox transparently.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import logging
 import os
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from corral.errors import SandboxError
@@ -35,8 +40,14 @@ _HIGH = 4 << 20  # bytes queued for one client before the pump waits for it
 class HostMux:
     """The node's end of one VM's control channel (see the module docstring)."""
 
-    def __init__(self, vm_sock: Path, ctl_sock: Path) -> None:
+    def __init__(
+        self, vm_sock: Path, ctl_sock: Path, wake: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
         self.vm_sock = vm_sock
+        self._wake = wake
+        self._wake_lock = asyncio.Lock()
+        self._open = asyncio.Event()  # cleared while the VM is being saved
+        self._open.set()
         self.ctl_sock = ctl_sock
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
@@ -46,19 +57,46 @@ class HostMux:
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def start(self) -> None:
-        """Connect to QEMU's socket (it exists once ``qemu -daemonize`` has returned) and
-        listen on ``ctl.sock``. SandboxError if QEMU's socket refuses."""
+    async def start(self, attach: bool = True) -> None:
+        """Listen on ``ctl.sock`` and (``attach``) connect to QEMU's socket (it exists once
+        ``qemu -daemonize`` has returned). SandboxError if QEMU's socket refuses."""
+        if attach:
+            await self.attach()
+        with contextlib.suppress(FileNotFoundError):
+            self.ctl_sock.unlink()  # an earlier node process's
+        self._server = await asyncio.start_unix_server(self._serve, str(self.ctl_sock))
+        os.chmod(self.ctl_sock, 0o600)
+
+    async def attach(self) -> None:
+        """Connect to (a new) QEMU's socket; the guest drops older channels on the reset."""
         try:
             self._r, self._w = await asyncio.open_unix_connection(str(self.vm_sock))
         except OSError as e:
             raise SandboxError(f"microvm control socket {self.vm_sock}: {e.strerror}") from None
         self._w.write(_HDR.pack(0, b"r", 0))
-        with contextlib.suppress(FileNotFoundError):
-            self.ctl_sock.unlink()  # an earlier node process's
-        self._server = await asyncio.start_unix_server(self._serve, str(self.ctl_sock))
-        os.chmod(self.ctl_sock, 0o600)
         self._reader = asyncio.ensure_future(self._pump_guest())
+
+    def hold(self) -> None:
+        """New connections wait (until :meth:`release`): the VM is being saved."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def detach(self) -> None:
+        """Drop every channel and QEMU's connection, but keep listening (the VMM is about
+        to exit for a memory snapshot; a new connection wakes it)."""
+        for w in self._chans.values():
+            w.close()
+        self._chans.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader
+            self._reader = None
+        if self._w is not None:
+            self._w.close()
+            self._w = None
 
     @property
     def connected(self) -> bool:
@@ -119,6 +157,16 @@ class HostMux:
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         """One client connection = one channel until either side closes."""
+        await self._open.wait()
+        if not self.connected and self._wake is not None and not self._closed:
+            try:
+                async with self._wake_lock:
+                    if not self.connected:
+                        await self._wake()
+            except Exception as e:
+                log.warning(
+                    "microvm %s: wake failed: %s", self.vm_sock.parent.name, e, exc_info=True
+                )
         qw = self._w
         if qw is None or not self.connected:
             w.close()
