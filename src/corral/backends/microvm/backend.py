@@ -278,13 +278,7 @@ class MicroVMBackend:
             pidfile=d / "vmm.pid",
         )
         uid = self.config.vmm_uid or self.ctx.host_uid - 1
-        argv = qemu.vm_argv(
-            files,
-            accel=self.accel,
-            cpus=max(1, math.ceil(spec.limits.cpus)),
-            memory_mib=mem_mib,
-            runas=f"{uid}:{uid}",
-        )
+        argv = self._vm_argv(files, spec, mem_mib, uid)
         run, env = qemu.trampoline(self.cgroups.procs_files(sandbox_id), argv)
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
@@ -315,6 +309,16 @@ class MicroVMBackend:
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
         return pid
+
+    def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
+        """QEMU's command line (the full-VM backend, corral.backends.vm, overrides this)."""
+        return qemu.vm_argv(
+            files,
+            accel=self.accel,
+            cpus=max(1, math.ceil(spec.limits.cpus)),
+            memory_mib=mem_mib,
+            runas=f"{uid}:{uid}",
+        )
 
     async def _boot_wait(self, sandbox_id: str) -> None:
         """The guest's first answer, within boot_timeout; else SandboxError with the
