@@ -6,6 +6,7 @@ image built once into the test store (``build_debian(..., DESKTOP_PACKAGES)``)."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -103,7 +104,7 @@ async def _wait_file(n, sid: str, path: str, timeout: float = 120.0) -> bytes:  
         except NotFound:
             if time.monotonic() > deadline:
                 raise
-        await __import__("asyncio").sleep(0.2)
+        await asyncio.sleep(0.2)
 
 
 @pytest.mark.heavy
@@ -121,21 +122,38 @@ async def test_screenshot_is_a_png_of_the_desktop(desk):  # type: ignore[no-unty
     assert colors[(0x2E, 0x5A, 0x88)] > W * H // 10, colors.most_common(5)
 
 
+async def _screen_changes(n, sid: str, before: bytes, timeout: float = 60.0) -> bytes:  # type: ignore[no-untyped-def]
+    """The next screenshot that differs from ``before`` (the guest redraws on its own time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = await n.desktop_screenshot(sid)
+        if _png(now).rgb != _png(before).rgb:
+            return now
+        assert time.monotonic() < deadline, "the screen did not change"
+        await asyncio.sleep(0.2)
+
+
+async def _sh(n, sid: str, script: str) -> bytes:  # type: ignore[no-untyped-def]
+    """``script`` run in the guest against its X display; stdout."""
+    from corral.spec import ExecRequest
+
+    r = await n.exec(sid, ExecRequest(cmd=["sh", "-c", script], env={"DISPLAY": ":0"}))
+    assert r.exit_code == 0, r
+    return r.stdout
+
+
 @pytest.mark.heavy
 async def test_typing_into_the_terminal(desk):  # type: ignore[no-untyped-def]
-    """Keys typed into the xterm run as a shell command: its file appears, and the
-    screen changed."""
+    """Keys typed on the desktop reach the terminal (focused when create returned) and
+    run as a shell command: its file appears, and the screen changed."""
     from corral.spec import DesktopInput
 
     n, info, _ = desk
     before = await n.desktop_screenshot(info.id)
-    # the pointer over the terminal (at +40+40): it has the keyboard focus
-    await n.desktop_input(info.id, DesktopInput(action="click", x=200, y=150))
     await n.desktop_input(info.id, DesktopInput(action="type", text="echo hi > /tmp/typed\n"))
     assert await _wait_file(n, info.id, "/tmp/typed") == b"hi\n"
-    after = await n.desktop_screenshot(info.id)
-    assert _png(after).rgb != _png(before).rgb
-    # a combo and shifted characters: ctrl+u clears a half-typed line
+    await _screen_changes(n, info.id, before)
+    # a combo and shifted characters: ctrl+u drops a half-typed line
     await n.desktop_input(info.id, DesktopInput(action="type", text="junk"))
     await n.desktop_input(info.id, DesktopInput(action="key", keys="ctrl+u"))
     await n.desktop_input(info.id, DesktopInput(action="type", text='echo "A_B:~|" > /tmp/t2\n'))
@@ -143,41 +161,52 @@ async def test_typing_into_the_terminal(desk):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.heavy
-async def test_pointer_moves_and_clicks(desk):  # type: ignore[no-untyped-def]
-    """The absolute pointer lands where asked: X reports the position (xdotool-free:
-    xterm's child reads it with xwininfo... here with a query through the agent)."""
-    from corral.spec import DesktopInput, ExecRequest
+async def test_pointer_moves_where_asked(desk):  # type: ignore[no-untyped-def]
+    """The absolute pointer lands on the pixel asked for (X's own pointer query)."""
+    from corral.spec import DesktopInput
 
     n, info, _ = desk
     for x, y in ((10, 20), (W - 1, H - 1), (500, 300)):
         await n.desktop_input(info.id, DesktopInput(action="move", x=x, y=y))
-        r = await n.exec(
-            info.id,
-            ExecRequest(cmd=["python3", "-c", _POINTER], env={"DISPLAY": ":0"}),
-        )
-        assert r.exit_code == 0, r
-        assert r.stdout.split() == [str(x).encode(), str(y).encode()], r.stdout
-    await n.desktop_input(info.id, DesktopInput(action="scroll", x=500, y=300, dy=2))
-    await n.desktop_input(
-        info.id, DesktopInput(action="drag", x=100, y=100, to_x=120, to_y=110, button="left")
-    )
-    await n.desktop_input(info.id, DesktopInput(action="click", x=5, y=5, button="right"))
+        got = await _sh(n, info.id, f"python3 -c '{_POINTER}'")
+        assert got.split() == [str(x).encode(), str(y).encode()], got
+    await n.desktop_input(info.id, DesktopInput(action="scroll", x=500, y=300, dy=2, dx=-1))
+
+
+@pytest.mark.heavy
+async def test_click_opens_the_menu_and_drag_moves_the_window(desk):  # type: ignore[no-untyped-def]
+    """A right click on the desktop opens the window manager's menu (the screen changes
+    there), esc closes it; dragging the terminal's title bar moves the window."""
+    from corral.spec import DesktopInput
+
+    n, info, _ = desk
+    before = await n.desktop_screenshot(info.id)
+    await n.desktop_input(info.id, DesktopInput(action="click", x=800, y=600, button="right"))
+    await _screen_changes(n, info.id, before)
     await n.desktop_input(info.id, DesktopInput(action="key", keys="esc"))
+    where = "xwininfo -name bash | grep Absolute | awk '{print $4}'"
+    x0, y0 = map(int, (await _sh(n, info.id, where)).split())
+    # the title bar: just above the client window, which sits inside the frame
+    await n.desktop_input(
+        info.id, DesktopInput(action="drag", x=x0 + 150, y=y0 - 10, to_x=x0 + 250, to_y=y0 + 90)
+    )
+    deadline = time.monotonic() + 60
+    while (got := tuple(map(int, (await _sh(n, info.id, where)).split()))) == (x0, y0):
+        assert time.monotonic() < deadline, "the window did not move"
+        await asyncio.sleep(0.2)
+    assert got == (x0 + 100, y0 + 100), (x0, y0, got)
 
 
-_POINTER = """
-import ctypes, ctypes.util
-x11 = ctypes.cdll.LoadLibrary(ctypes.util.find_library("X11"))
-x11.XOpenDisplay.restype = ctypes.c_void_p
-d = x11.XOpenDisplay(None)
-assert d, "no display"
-root = x11.XDefaultRootWindow(ctypes.c_void_p(d))
-w = ctypes.c_ulong(); c = ctypes.c_ulong()
-rx, ry, wx, wy = (ctypes.c_int() for _ in range(4)); m = ctypes.c_uint()
-x11.XQueryPointer(ctypes.c_void_p(d), ctypes.c_ulong(root), ctypes.byref(w), ctypes.byref(c),
-    ctypes.byref(rx), ctypes.byref(ry), ctypes.byref(wx), ctypes.byref(wy), ctypes.byref(m))
-print(rx.value, ry.value)
-"""
+_POINTER = (
+    "import ctypes as c, ctypes.util as u;"
+    'x = c.cdll.LoadLibrary(u.find_library("X11"));'
+    "x.XOpenDisplay.restype = c.c_void_p;"
+    "d = c.c_void_p(x.XOpenDisplay(None));"
+    "r = c.c_ulong(x.XDefaultRootWindow(d));"
+    "v = [c.c_ulong(), c.c_ulong(), c.c_int(), c.c_int(), c.c_int(), c.c_int(), c.c_uint()];"
+    "x.XQueryPointer(d, r, *map(c.byref, v));"
+    "print(v[2].value, v[3].value)"
+)
 
 
 async def test_desktop_on_a_container_is_refused(node):  # type: ignore[no-untyped-def]

@@ -22,6 +22,7 @@ from corral.spec import DesktopInput
 __all__ = ["Screen"]
 
 _PACE = 0.01  # seconds between input reports
+_DRAG_STEPS = 20  # most intermediate pointer moves of a drag
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 Events = list[dict[str, object]]
@@ -97,11 +98,26 @@ class Screen:
         if a == "drag":
             if req.to_x is None or req.to_y is None:
                 raise InvalidRequest("drag: needs to_x and to_y")
-            end = keys.abs_events(req.to_x, req.to_y, self.width, self.height)
+            assert req.x is not None and req.y is not None
+            start = self._at(req, a)
+            keys.abs_events(req.to_x, req.to_y, self.width, self.height)  # checks the end
+            # Intermediate moves, as a hand makes: a window manager starts a move on the
+            # first motion past its threshold and follows the later ones.
+            dist = max(abs(req.to_x - req.x), abs(req.to_y - req.y))
+            steps = max(2, min(_DRAG_STEPS, dist // 10))
+            path = [
+                keys.abs_events(
+                    req.x + (req.to_x - req.x) * i // steps,
+                    req.y + (req.to_y - req.y) * i // steps,
+                    self.width,
+                    self.height,
+                )
+                for i in range(1, steps + 1)
+            ]
             return [
-                self._at(req, a),
+                start,
                 keys.button_events(req.button, True),
-                end,
+                *path,
                 keys.button_events(req.button, False),
             ]
         if a == "scroll":

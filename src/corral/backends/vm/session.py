@@ -4,8 +4,9 @@ corral-init stays PID 1 (exec and files work as in microVMs); once it answers, t
 runs :data:`START` with one exec (``sh -c START corral-desktop WIDTH HEIGHT``): it writes an
 xorg.conf, starts Xorg (modesetting on the ``bochs`` DRM device), the openbox window
 manager and an xterm, each in a session of its own (so the exec's end does not take
-them along), and returns once the terminal's shell runs; on failure it exits non-zero
-with the X server's last log lines. The image needs ``corral image build debian
+them along), and returns once the window manager has framed and focused the terminal
+(keys typed then reach it); on failure it exits non-zero with the X server's last log
+lines. The image needs ``corral image build debian
 --desktop`` (corral.images.build.DESKTOP_PACKAGES).
 
 No udev runs in the guest, so the X server does not discover input devices by itself:
@@ -74,7 +75,7 @@ xpid=$!
 i=0
 until xdpyinfo >/dev/null 2>&1; do
   kill -0 $xpid 2>/dev/null || fail "Xorg exited"
-  i=$((i + 1)); [ $i -gt 600 ] && fail "Xorg did not answer within 60 s"
+  i=$((i + 1)); [ $i -gt 1200 ] && fail "Xorg did not answer within 120 s"
   sleep 0.1
 done
 xrandr -s "${W}x${H}" >/dev/null 2>&1
@@ -85,7 +86,14 @@ setsid xterm -geometry 100x30+40+40 -e /bin/bash -c "touch $D/xterm-ready; exec 
   </dev/null >"$D/xterm.log" 2>&1 &
 i=0
 until [ -e "$D/xterm-ready" ]; do
-  i=$((i + 1)); [ $i -gt 600 ] && fail "xterm did not start within 60 s"
+  i=$((i + 1)); [ $i -gt 1200 ] && fail "xterm did not start within 120 s"
+  sleep 0.1
+done
+# Ready once the window manager has framed and focused the terminal: typed keys go to
+# the focused window, and keys sent before that would be lost.
+i=0
+until xprop -root _NET_ACTIVE_WINDOW 2>/dev/null | grep -q "# 0x[1-9a-f]"; do
+  i=$((i + 1)); [ $i -gt 1200 ] && fail "the window manager did not focus the terminal in 120 s"
   sleep 0.1
 done
 xdpyinfo | grep dimensions
