@@ -7,6 +7,7 @@ image built once into the test store (``build_debian(..., DESKTOP_PACKAGES)``)."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import time
@@ -30,14 +31,18 @@ KERNEL = Path("/var/cache/corral-test-desktop/kernel")
 W, H = 1024, 768
 
 
-def _ensure_desktop_image() -> None:
+def _ensure_desktop_image() -> str:
+    """The desktop test image's name (by its package list: a changed list builds anew)."""
     from corral.images import build
     from corral.images.store import LayerStore
 
+    packages = ["python3", *build.DESKTOP_PACKAGES]
+    name = "test/desktop-" + hashlib.sha256(" ".join(packages).encode()).hexdigest()[:8]
     store = LayerStore(TEST_STORE)
-    if "test/desktop" not in {i.name for i in store.images()}:
-        layer = build.build_debian(store, "bookworm", include=["python3", *build.DESKTOP_PACKAGES])
-        store.put_image("test/desktop", [layer.digest])
+    if name not in {i.name for i in store.images()}:
+        layer = build.build_debian(store, "bookworm", include=packages)
+        store.put_image(name, [layer.digest])
+    return name
 
 
 def _vmm_procs() -> list[int]:
@@ -65,7 +70,7 @@ async def desk(images_ready):  # type: ignore[no-untyped-def]
     from corral.backends.config import ContainerConfig, VMConfig
     from corral.spec import Desktop, Limits, SandboxSpec
 
-    _ensure_desktop_image()
+    image = _ensure_desktop_image()
     cfg = node_config(
         state_dir=STATE,
         run_dir=RUN,
@@ -74,7 +79,7 @@ async def desk(images_ready):  # type: ignore[no-untyped-def]
     )
     async with open_node(cfg) as n:
         spec = SandboxSpec(
-            image="test/desktop",
+            image=image,
             backend="vm",
             desktop=Desktop(width=W, height=H),
             limits=Limits(cpus=1, memory="1GiB", disk="1GiB"),

@@ -73,6 +73,7 @@ DESKTOP_PACKAGES = (
     "openbox",  # a small window manager that places windows by itself
     "xterm",
     "dillo",  # a small browser
+    "xdotool",  # the session focuses its terminal with it; agents may script X with it too
     "procps",
 )
 """What ``corral image build debian --desktop`` adds: a small X desktop for the ``vm``

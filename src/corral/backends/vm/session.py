@@ -4,9 +4,9 @@ corral-init stays PID 1 (exec and files work as in microVMs); once it answers, t
 runs :data:`START` with one exec (``sh -c START corral-desktop WIDTH HEIGHT``): it writes an
 xorg.conf, starts Xorg (modesetting on the ``bochs`` DRM device), the openbox window
 manager and an xterm, each in a session of its own (so the exec's end does not take
-them along), and returns once the window manager has framed and focused the terminal
-(keys typed then reach it); on failure it exits non-zero with the X server's last log
-lines. The image needs ``corral image build debian
+them along), and returns once the terminal has the keyboard focus (keys typed then
+reach it; ``xdotool`` asks the window manager for it); on failure it exits non-zero with
+the X server's last log lines. The image needs ``corral image build debian
 --desktop`` (corral.images.build.DESKTOP_PACKAGES).
 
 No udev runs in the guest, so the X server does not discover input devices by itself:
@@ -81,6 +81,11 @@ done
 xrandr -s "${W}x${H}" >/dev/null 2>&1
 xsetroot -solid '#2e5a88'
 setsid openbox </dev/null >"$D/openbox.log" 2>&1 &
+i=0
+until xprop -root _NET_SUPPORTING_WM_CHECK 2>/dev/null | grep -q "# 0x"; do
+  i=$((i + 1)); [ $i -gt 1200 ] && fail "the window manager did not start within 120 s"
+  sleep 0.1
+done
 rm -f "$D/xterm-ready"
 setsid xterm -geometry 100x30+40+40 -e /bin/bash -c "touch $D/xterm-ready; exec /bin/bash" \
   </dev/null >"$D/xterm.log" 2>&1 &
@@ -89,12 +94,16 @@ until [ -e "$D/xterm-ready" ]; do
   i=$((i + 1)); [ $i -gt 1200 ] && fail "xterm did not start within 120 s"
   sleep 0.1
 done
-# Ready once the window manager has framed and focused the terminal: typed keys go to
-# the focused window, and keys sent before that would be lost.
+# Ready once the terminal has the focus: typed keys go to the focused window, and keys
+# sent before that would be lost. The window manager may still be starting (it loads its
+# theme and menus after it announced itself), so ask it again until it has done so.
+wid=$(timeout 120 xdotool search --sync --class xterm | head -n 1)
+[ -n "$wid" ] || fail "no xterm window"
 i=0
-until xprop -root _NET_ACTIVE_WINDOW 2>/dev/null | grep -q "# 0x[1-9a-f]"; do
-  i=$((i + 1)); [ $i -gt 1200 ] && fail "the window manager did not focus the terminal in 120 s"
-  sleep 0.1
+until [ "$(xdotool getactivewindow 2>/dev/null)" = "$wid" ]; do
+  i=$((i + 1)); [ $i -gt 120 ] && fail "the window manager did not focus the terminal in 120 s"
+  xdotool windowactivate "$wid" >/dev/null 2>&1
+  sleep 1
 done
 xdpyinfo | grep dimensions
 """
