@@ -22,6 +22,7 @@ from tests.integration.conftest import assert_no_leaks, node_config, open_node
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
     pytest.mark.skipif(not Path("/bin/busybox").exists(), reason="needs busybox-static"),
+    pytest.mark.timeout(900),  # the module's VM boots in the first test's setup
 ]
 
 STATE = Path(f"/var/lib/corral-test{TAG}-desk")
