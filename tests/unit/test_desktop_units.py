@@ -147,3 +147,52 @@ def test_cli_desktop_size() -> None:
     for bad in ("1024", "axb", "10x10"):
         with pytest.raises(InvalidRequest):
             parse_size(bad)
+
+
+async def test_sdk_desktop_over_http() -> None:
+    """``sb.desktop`` through the REST API: PNG bytes back, each action one validated
+    request; a sandbox without a display is a 400 InvalidRequest."""
+    import httpx
+
+    from corral.api.app import create_app
+    from corral.sdk._http import HTTPOps
+    from corral.sdk._sandbox import Sandbox
+    from corral.testing import FakeNode
+
+    png = b"\x89PNG\r\n\x1a\n" + b"x" * 10
+    got: list[DesktopInput] = []
+
+    class _Desk(FakeNode):
+        BACKENDS = ("container", "vm")
+
+        async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+            if self._sb(sandbox_id).info.backend != "vm":
+                return await super().desktop_screenshot(sandbox_id)
+            return png
+
+        async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+            got.append(req)
+
+    node = _Desk()
+    ops = HTTPOps("http://corral.test", transport=httpx.ASGITransport(create_app(node)))
+    try:
+        info = await ops.sandbox_create(
+            SandboxSpec(image="demo/base", backend="vm", desktop=Desktop())
+        )
+        sb = Sandbox._wrap(ops, info)
+        assert await sb.desktop.screenshot() == png
+        await sb.desktop.click(1, 2, button="right")
+        await sb.desktop.type("hi\n")
+        await sb.desktop.key("ctrl+l")
+        await sb.desktop.drag(1, 2, 3, 4)
+        await sb.desktop.scroll(dy=-2)
+        await sb.desktop.move(5, 6)
+        assert [g.action for g in got] == ["click", "type", "key", "drag", "scroll", "move"]
+        assert got[0].button == "right" and got[1].text == "hi\n" and got[3].to_y == 4
+        with pytest.raises(InvalidRequest):
+            await sb.desktop.click(-1, 0)  # refused by the model, before any request
+        plain = Sandbox._wrap(ops, await ops.sandbox_create(SandboxSpec(image="demo/base")))
+        with pytest.raises(InvalidRequest, match="has no display"):
+            await plain.desktop.screenshot()
+    finally:
+        await ops.close()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
+from corral.errors import InvalidRequest
 from corral.ops import NodeOps
-from corral.spec import DesktopInput
+from corral.spec import DesktopInput, validation_message
 
 __all__ = ["Display"]
 
@@ -30,7 +33,11 @@ class Display:
         return f"Display(sandbox={self._sandbox_id!r})"
 
     async def _act(self, **fields: object) -> None:
-        await self._ops.desktop_input(self._sandbox_id, DesktopInput.model_validate(fields))
+        try:
+            req = DesktopInput.model_validate(fields)
+        except ValidationError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        await self._ops.desktop_input(self._sandbox_id, req)
 
     async def screenshot(self) -> bytes:
         """The screen as PNG bytes (the desktop's width x height)."""
