@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import TAG, TEST_STORE
 from tests.integration import pngread
-from tests.integration.conftest import assert_no_leaks, node_config, open_node
+from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
@@ -222,3 +222,23 @@ async def test_desktop_on_a_container_is_refused(node):  # type: ignore[no-untyp
     with pytest.raises(InvalidRequest, match="only the 'vm' backend has a display"):
         await node.sandbox_create(SandboxSpec(image="test/busybox", desktop=Desktop()))
     assert await node.sandbox_list() == []
+
+
+@pytest.mark.heavy
+def test_bench_desktop_keys(images_ready):  # type: ignore[no-untyped-def]
+    """``corral bench desktop --json`` runs end to end and leaves nothing behind."""
+    image = _ensure_desktop_image()
+    state, run, sub = Path(f"{STATE}b"), Path(f"{RUN}b"), SUBTREE + "b"
+    out = run_bench(
+        "desktop", "--count", "1", "--width", "800", "--height", "600",
+        "--kernel-dir", str(KERNEL),
+        state=state, run=run, subtree=sub, store=TEST_STORE, image=image, timeout=900,
+    )  # fmt: skip
+    assert out["scenario"] == "desktop" and out["accel"] in ("kvm", "tcg")
+    assert out["size"] == "800x600" and out["screenshot_bytes"] > 0
+    assert out["boot_to_screenshot_ms"]["p50"] > 0 and out["type_to_file_ms_p50"] > 0
+    assert out["screenshot_ms_p50"] > 0 and out["input_ms_p50"] > 0
+    assert out["host_mem_per_vm_mib"] > 0
+    assert_no_leaks(state, run, sub)
+    shutil.rmtree(state)
+    shutil.rmtree(run, ignore_errors=True)
