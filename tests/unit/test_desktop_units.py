@@ -196,3 +196,54 @@ async def test_sdk_desktop_over_http() -> None:
             await plain.desktop.screenshot()
     finally:
         await ops.close()
+
+
+def test_cli_desktop_commands(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``sandbox create --backend vm --desktop WxH``, ``screenshot``, ``input``; a desktop
+    on a container and a bad size are one-line user errors."""
+    from typer.testing import CliRunner
+
+    from corral.cli import app as cli_app
+    from corral.sdk import AsyncClient
+    from corral.testing import FakeNode
+
+    got: list[DesktopInput] = []
+
+    class _Desk(FakeNode):
+        BACKENDS = ("container", "vm")
+
+        async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+            return b"\x89PNG\r\n\x1a\nfake"
+
+        async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+            got.append(req)
+
+    node = _Desk(node_id="fake")
+    monkeypatch.setattr(cli_app, "_client_factory", lambda g: AsyncClient(ops=node))
+
+    def cli(*args: str):  # type: ignore[no-untyped-def]
+        return CliRunner().invoke(cli_app.app, list(args))
+
+    r = cli("sandbox", "create", "demo/base", "--backend", "vm", "--desktop", "800x600")
+    assert r.exit_code == 0, r.stderr
+    sid = r.stdout.strip()
+    info = node._sb(sid).info
+    assert info.backend == "vm" and info.spec.desktop == Desktop(width=800, height=600)
+    r = cli("sandbox", "screenshot", sid, str(tmp_path / "s.png"))
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
+    r = cli("sandbox", "input", sid, "type", "--text", "ls\\n")
+    assert r.exit_code == 0, r.stderr
+    r = cli("sandbox", "input", sid, "click", "--x", "5", "--y", "6", "--button", "right")
+    assert r.exit_code == 0, r.stderr
+    assert [(g.action, g.text, g.x, g.button) for g in got] == [
+        ("type", "ls\n", None, "left"),
+        ("click", "", 5, "right"),
+    ]
+    for bad in (
+        ("sandbox", "create", "demo/base", "--desktop", "800x600"),
+        ("sandbox", "create", "demo/base", "--backend", "vm", "--desktop", "big"),
+        ("sandbox", "input", sid, "wiggle"),
+    ):
+        r = cli(*bad)
+        assert r.exit_code == 2 and r.stderr.startswith("error: "), (bad, r.stderr)
