@@ -215,6 +215,28 @@ _POINTER = (
 )
 
 
+@pytest.mark.heavy
+async def test_desktop_on_an_image_without_x_is_a_clear_error(desk):  # type: ignore[no-untyped-def]
+    """A desktop asked of an image without Xorg: the create fails naming what is missing,
+    the VM is gone, the node serves on (the module's desktop still answers)."""
+    from corral.errors import CorralError
+    from corral.spec import Desktop, Limits, SandboxSpec
+
+    n, info, _ = desk
+    spec = SandboxSpec(
+        image="test/busybox",
+        backend="vm",
+        desktop=Desktop(width=800, height=600),
+        limits=Limits(cpus=1, memory="512MiB", disk="256MiB"),
+        qos="latency",
+    )
+    with pytest.raises(CorralError, match="desktop did not start.*no Xorg in the image"):
+        await n.sandbox_create(spec)
+    assert [i.id for i in await n.sandbox_list()] == [info.id]
+    assert len(_vmm_procs()) == 1
+    _png(await n.desktop_screenshot(info.id))
+
+
 async def test_desktop_on_a_container_is_refused(node):  # type: ignore[no-untyped-def]
     from corral.errors import InvalidRequest
     from corral.spec import Desktop, SandboxSpec
