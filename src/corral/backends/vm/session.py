@@ -27,6 +27,8 @@ export DISPLAY=:0 HOME=/root
 mkdir -p "$D" /tmp/.X11-unix && chmod 1777 /tmp/.X11-unix || exit 1
 fail() { echo "corral-desktop: $*"; tail -n 15 "$D/Xorg.log" 2>/dev/null; exit 1; }
 command -v Xorg >/dev/null || fail "no Xorg in the image (build it with --desktop)"
+# The guest boots with lo down; the browser's helpers (dillo's dpid) talk over it.
+/.corral/busybox ip link set lo up 2>/dev/null
 i=0
 while [ ! -e /dev/dri/card0 ] || ! ls /dev/input/event* >/dev/null 2>&1; do
   i=$((i + 1)); [ $i -gt 300 ] && fail "no /dev/dri/card0 or /dev/input/event* (guest drivers)"
