@@ -216,6 +216,22 @@ _POINTER = (
 
 
 @pytest.mark.heavy
+async def test_browser_shows_a_page(desk):  # type: ignore[no-untyped-def]
+    """The image's browser (dillo), started from the terminal by typed keys, renders a
+    local page: its magenta background appears on the screen."""
+    from corral.spec import DesktopInput
+
+    n, info, _ = desk
+    await n.file_write(info.id, "/tmp/page.html", b'<body bgcolor="#ff00ff"><h1>corral</h1>')
+    await n.desktop_input(info.id, DesktopInput(action="click", x=300, y=300))  # the xterm
+    await n.desktop_input(info.id, DesktopInput(action="type", text="dillo /tmp/page.html &\n"))
+    deadline = time.monotonic() + 180
+    while _png(await n.desktop_screenshot(info.id)).colors()[(255, 0, 255)] < 10000:
+        assert time.monotonic() < deadline, "no magenta page on the screen"
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.heavy
 async def test_desktop_on_an_image_without_x_is_a_clear_error(desk):  # type: ignore[no-untyped-def]
     """A desktop asked of an image without Xorg: the create fails naming what is missing,
     the VM is gone, the node serves on (the module's desktop still answers)."""
