@@ -45,6 +45,7 @@ from corral.spec import (
     Case,
     CaseResult,
     CustomChecker,
+    Desktop,
     Event,
     ExecChunk,
     ExecResult,
@@ -76,6 +77,7 @@ __all__ = [
     # models
     "Limits",
     "NetworkPolicy",
+    "Desktop",
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",

@@ -42,6 +42,7 @@ from corral.errors import InvalidRequest, NotFound, SandboxNotFound
 from corral.spec import (
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecChunk,
@@ -159,6 +160,16 @@ class SandboxOps(Protocol):
     ) -> SandboxInfo:
         """Replace the sandbox's egress allow/deny lists (None keeps one); effective on
         return, its processes untouched. Returns the sandbox with its new policy."""
+        ...
+
+    # desktop (the vm backend's display)
+    async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+        """The sandbox's screen as PNG bytes (InvalidRequest if it has no display)."""
+        ...
+
+    async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+        """One pointer or keyboard action on the sandbox's display; returns once the
+        events were delivered to the VM's input devices."""
         ...
 
     # snapshots and forks (filesystem state; processes are not cloned)

@@ -25,6 +25,8 @@ __all__ = [
     "ByteSize",
     "Limits",
     "NetworkPolicy",
+    "Desktop",
+    "DesktopInput",
     "SandboxSpec",
     "SandboxState",
     "SandboxInfo",
@@ -255,6 +257,36 @@ class NetworkPolicy(_Model):
         return list(dict.fromkeys(v))
 
 
+class Desktop(_Model):
+    """A display for a ``vm`` sandbox: an X session of this size (corral.backends.vm).
+
+    Example: ``Desktop(width=1280, height=800)``."""
+
+    width: int = Field(1280, ge=320, le=3840)
+    height: int = Field(800, ge=200, le=2160)
+
+
+class DesktopInput(_Model):
+    """One input action on a sandbox's desktop (``sandbox.desktop.click`` etc.).
+
+    ``move``: the pointer to (x, y). ``click``: move, then ``count`` clicks of ``button``.
+    ``drag``: press ``button`` at (x, y), move to (to_x, to_y), release. ``scroll``: move
+    to (x, y) if given, then ``dy`` wheel clicks (> 0 down) and ``dx`` (> 0 right).
+    ``type``: ``text`` as key presses (US layout). ``key``: one combo like ``ctrl+l``."""
+
+    action: Literal["move", "click", "drag", "scroll", "type", "key"]
+    x: int | None = Field(None, ge=0)
+    y: int | None = Field(None, ge=0)
+    to_x: int | None = Field(None, ge=0)
+    to_y: int | None = Field(None, ge=0)
+    button: Literal["left", "right", "middle"] = "left"
+    count: int = Field(1, ge=1, le=3)
+    dx: int = Field(0, ge=-100, le=100)
+    dy: int = Field(0, ge=-100, le=100)
+    text: str = Field("", max_length=10000)
+    keys: str = Field("", max_length=100)
+
+
 class SandboxSpec(_Model):
     """What to create."""
 
@@ -290,6 +322,9 @@ class SandboxSpec(_Model):
     backend: str | None = Field(None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
     """Isolation engine by the name of one of the node's backends (``container``; later
     ``microvm``, ``vm``); None: the node's default backend."""
+    desktop: Desktop | None = None
+    """A display with an X session (only the ``vm`` backend has one; elsewhere the
+    create is an InvalidRequest)."""
 
     @field_validator("tmpfs")
     @classmethod

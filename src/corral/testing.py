@@ -58,6 +58,7 @@ from corral.spec import (
     BackendStatus,
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecChunk,
@@ -285,12 +286,27 @@ class FakeNode(NodeOps):
         self._event(sandbox_id, "network_updated", **detail)
         return sb.info
 
+    async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+        sb = self._sb(sandbox_id)
+        raise InvalidRequest(
+            f"sandbox {sandbox_id} has no display (backend {sb.info.backend!r}); "
+            "desktops run on the 'vm' backend"
+        )
+
+    async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+        await self.desktop_screenshot(sandbox_id)
+
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         backend = spec.backend or self.BACKENDS[0]
         if backend not in self.BACKENDS:
             raise InvalidRequest(
                 f"backend: node {self.node_id} has no backend {backend!r} "
                 f"(it has: {', '.join(self.BACKENDS)})"
+            )
+        if spec.desktop is not None and backend != "vm":
+            raise InvalidRequest(
+                f"desktop: only the 'vm' backend has a display; this sandbox's backend is "
+                f"{backend!r}"
             )
         img = await self.image_get(spec.image)
         self._check_permissions([*spec.network.allow, *spec.network.deny])

@@ -19,6 +19,7 @@ PUBLIC = {
     "Process",
     "Limits",
     "NetworkPolicy",
+    "Desktop",
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",

@@ -35,6 +35,7 @@ from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecRequest,
@@ -70,6 +71,9 @@ _RAW_BODY = {
 }
 _RAW_ANSWER: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/octet-stream": {}}, "description": "raw bytes"}
+}
+_PNG_ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"image/png": {}}, "description": "the screen as a PNG image"}
 }
 
 
@@ -444,6 +448,19 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     @r.post(sb + "/network", response_model=SandboxInfo, tags=["sandboxes"])
     async def network_update(sandbox_id: str, body: NetworkUpdateRequest) -> Response:
         return _json(await ops.network_update(sandbox_id, body.allow, body.deny))
+
+    @r.get(
+        sb + "/desktop/screenshot", response_class=Response, responses=_PNG_ANSWER, tags=["desktop"]
+    )
+    async def desktop_screenshot(sandbox_id: str) -> Response:
+        """The screen of a ``vm`` sandbox (400 for a sandbox without a display)."""
+        return Response(await ops.desktop_screenshot(sandbox_id), media_type="image/png")
+
+    @r.post(sb + "/desktop/input", status_code=204, response_class=Response, tags=["desktop"])
+    async def desktop_input(sandbox_id: str, req: DesktopInput) -> Response:
+        """One pointer or keyboard action (move, click, drag, scroll, type, key)."""
+        await ops.desktop_input(sandbox_id, req)
+        return Response(status_code=204)
 
     @r.post(sb + "/snapshot", response_model=ImageInfo, status_code=201, tags=["sandboxes"])
     async def sandbox_snapshot(sandbox_id: str, body: SnapshotRequest) -> Response:

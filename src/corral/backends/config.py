@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["BackendConfig", "ContainerConfig", "MicroVMConfig"]
+__all__ = ["BackendConfig", "ContainerConfig", "MicroVMConfig", "VMConfig"]
 
 
 class ContainerConfig(BaseModel):
@@ -64,7 +64,24 @@ class MicroVMConfig(BaseModel):
     translation cache under TCG)."""
 
 
+class VMConfig(MicroVMConfig):
+    """Full-VM sandboxes with a display (corral.backends.vm): QEMU ``-M q35`` with std VGA
+    and virtio input, the generic Debian kernel (``linux-image-amd64``: the cloud kernel
+    has no DRM), an X session for ``spec.desktop``. The fields are the microVM's."""
+
+    kind: Literal["vm"] = "vm"  # type: ignore[assignment]
+    kernel_dir: Path | None = None
+    """An extracted Debian kernel package; default ``<state_dir>/vm/kernel``, fetched
+    there with apt-get on first start."""
+    boot_timeout: float = Field(300.0, gt=0)
+    """Seconds for the guest agent's first answer, and again for the X session to start
+    (under TCG a desktop boot takes tens of seconds on an idle host)."""
+    memory_overhead: int = Field(384 << 20, ge=0)
+    """Bytes the sandbox's cgroup allows beyond the guest's memory (QEMU, its translation
+    cache under TCG, the video memory)."""
+
+
 BackendConfig = Annotated[
-    Union[ContainerConfig, MicroVMConfig],  # noqa: UP007
+    Union[ContainerConfig, MicroVMConfig, VMConfig],  # noqa: UP007
     Field(discriminator="kind"),
 ]

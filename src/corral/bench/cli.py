@@ -11,6 +11,7 @@ Example::
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
     corral bench microvm --count 8 --json
+    corral bench desktop --count 2 --json
     corral bench placement --nodes 160 --sandboxes 32768 --json
     corral bench cluster --nodes 3 --count 300 --json
     corral bench ondemand --sandboxes 64 --images 8 --json
@@ -97,6 +98,29 @@ def microvm_cmd(
     from corral.bench.microvm import microvm
 
     return microvm(opts, count, kernel_dir)
+
+
+@scenario(
+    app,
+    "desktop",
+    image="desktop",
+    image_help="An image in the store, or 'desktop' (Debian + DESKTOP_PACKAGES, built once).",
+)
+def desktop_cmd(
+    opts: BenchOptions,
+    count: Count = 2,
+    width: Annotated[int, typer.Option("--width", min=320, max=3840)] = 1280,
+    height: Annotated[int, typer.Option("--height", min=200, max=2160)] = 800,
+    kernel_dir: Annotated[
+        Path | None,
+        typer.Option("--kernel-dir", help="An extracted Debian kernel (default: fetched)."),
+    ] = None,
+) -> Scenario:
+    """Desktop VMs: boot to first screenshot (p50/p99), screenshot and input round trips,
+    typed text to the file its command writes, host memory per VM, accelerator."""
+    from corral.bench.desktop import desktop
+
+    return desktop(opts, count, width, height, kernel_dir)
 
 
 @scenario(

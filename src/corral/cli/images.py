@@ -134,6 +134,13 @@ def build(
         list[str] | None,
         typer.Option("--include", help="debian: extra packages, comma-separated (repeatable)."),
     ] = None,
+    desktop: Annotated[
+        bool,
+        typer.Option(
+            "--desktop",
+            help="debian: add a small X desktop (Xorg, openbox, xterm, dillo) for the vm backend.",
+        ),
+    ] = False,
     variant: Annotated[str, typer.Option(help="debian: mmdebstrap variant.")] = "minbase",
     mirror: Annotated[str | None, typer.Option(help="debian: mirror URL.")] = None,
     req: Annotated[
@@ -191,6 +198,8 @@ def build(
     if kind in (Kind.pip, Kind.run) and base is None:
         raise InvalidRequest(f"image build {kind.value} needs --on BASE_IMAGE to build inside")
     image_env = {**(base.env if base else {}), **parse_pairs(env, "--env")}
+    if desktop and kind is not Kind.debian:
+        raise InvalidRequest(f"--desktop adds Debian packages; image build {kind.value} has none")
     if dest is not None and kind not in (Kind.dir, Kind.tar):
         raise InvalidRequest(f"--dest places a dir or tar; image build {kind.value} has no tree")
     if dest is None:
@@ -221,7 +230,7 @@ def build(
                 store,
                 source or "bookworm",
                 variant=variant,
-                include=_comma_list(include),
+                include=[*_comma_list(include), *(b.DESKTOP_PACKAGES if desktop else ())],
                 mirror=mirror,
                 progress=progress,
             )

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from corral.cli import _cp, _network, _pause, _ports, _pty, _snapshot
+from corral.cli import _cp, _desktop, _network, _pause, _ports, _pty, _snapshot
 from corral.cli._context import (
     EMBEDDED,
     Globals,
@@ -36,6 +36,7 @@ _pause.register(app)  # pause, resume
 _snapshot.register(app)  # snapshot, fork
 _network.register(app)  # network
 _ports.register(app)  # port
+_desktop.register(app)  # screenshot, input
 
 # Same conventions as timeout(1) and shells, so scripts can tell the cases apart.
 EXIT_TIMEOUT = 124
@@ -84,6 +85,13 @@ def create(
     hostname: Annotated[str | None, typer.Option(help="Hostname inside.")] = None,
     allow: _network.AllowOpt = None,
     deny: _network.DenyOpt = None,
+    backend: Annotated[
+        str | None, typer.Option(help="Isolation engine: container (default), microvm, vm.")
+    ] = None,
+    desktop: Annotated[
+        str | None,
+        typer.Option(metavar="WxH", help="vm: a display with an X session, e.g. 1280x800."),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Create a sandbox and print its id."""
@@ -95,6 +103,7 @@ def create(
         raise InvalidRequest("--" + validation_text(e)) from None
     labels = parse_pairs(label, "--label")
     envs = parse_pairs(env, "--env")
+    display = _desktop.parse_size(desktop)
 
     async def run() -> SandboxInfo:
         async with g.client() as client:
@@ -110,6 +119,8 @@ def create(
                 idle_pause=idle_pause,
                 qos=qos,
                 network={"allow": allow or [], "deny": deny or []},
+                backend=backend,
+                desktop=display,
             )
             return sb.info
 

@@ -43,6 +43,7 @@ from corral.spec import (
     NODE_ID_RE,
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecChunk,
@@ -398,6 +399,12 @@ class FleetClient(NodeOps):
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:
         return await self._route(sandbox_id).network_update(sandbox_id, allow, deny)
+
+    async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+        return await self._route(sandbox_id).desktop_screenshot(sandbox_id)
+
+    async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+        await self._route(sandbox_id).desktop_input(sandbox_id, req)
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
         return await self._route(sandbox_id).sandbox_snapshot(sandbox_id, name)

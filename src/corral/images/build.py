@@ -52,6 +52,7 @@ __all__ = [
     "import_docker_save",
     "import_oci",
     "RESOLV_CONF_PLACEHOLDER",
+    "DESKTOP_PACKAGES",
 ]
 
 RESOLV_CONF_PLACEHOLDER = (
@@ -61,6 +62,23 @@ RESOLV_CONF_PLACEHOLDER = (
 _SUITE_RE = re.compile(r"^[a-z][a-z0-9.-]{1,40}$")
 _PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*(?::[a-z0-9-]+)?(?:[=/][A-Za-z0-9.+~:-]+)?$")
 _DEBIAN_TIMEOUT = 3600.0
+
+DESKTOP_PACKAGES = (
+    "xserver-xorg-core",  # Xorg with the modesetting driver (the VM's bochs-drm display)
+    "xserver-xorg-input-evdev",  # input from /dev/input, configured without udev
+    "x11-xserver-utils",  # xrandr, xsetroot
+    "x11-utils",  # xdpyinfo, xwininfo: the session's readiness checks
+    "xfonts-base",  # xterm's core fonts
+    "fonts-dejavu-core",  # the browser's and the window manager's fonts
+    "openbox",  # a small window manager that places windows by itself
+    "xterm",
+    "dillo",  # a small browser
+    "xdotool",  # the session focuses its terminal with it; agents may script X with it too
+    "procps",
+)
+"""What ``corral image build debian --desktop`` adds: a small X desktop for the ``vm``
+backend (corral.backends.vm), whose session script runs Xorg, the window manager and a
+terminal. No display manager, no udev, no dbus: the VM's agent starts the session."""
 
 
 def _scratch_dir(prefix: str) -> Path:

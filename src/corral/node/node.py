@@ -62,6 +62,7 @@ from corral.ops import DirWatch, NodeOps, PortOps, WatchOps
 from corral.spec import (
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecChunk,
@@ -350,6 +351,31 @@ class Node:
         detail = {"allow": ",".join(policy.allow), "deny": ",".join(policy.deny)}
         self.state.add_event(sandbox_id, "network_updated", detail)
         return info
+
+    # ------------------------------------------------------------------ desktop
+    def _screen(self, sandbox_id: str) -> Any:
+        """The display of a running sandbox's VM (corral.backends.vm.screen.Screen)."""
+        info = self.life.active(sandbox_id)
+        screen = getattr(self.backends.of(info), "screen", None)
+        if screen is None:
+            raise InvalidRequest(
+                f"sandbox {sandbox_id} has no display (backend {info.backend!r}); "
+                "desktops run on the 'vm' backend"
+            )
+        return screen(sandbox_id, info.spec)
+
+    async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+        screen = self._screen(sandbox_id)
+        with self.table.working(sandbox_id):
+            async with self.life.agent_errors(sandbox_id, "the screenshot"):
+                data: bytes = await screen.screenshot()
+                return data
+
+    async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+        screen = self._screen(sandbox_id)
+        with self.table.working(sandbox_id):
+            async with self.life.agent_errors(sandbox_id, f"the desktop {req.action}"):
+                await screen.act(req)
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
         return await self._timed("snapshot", sandbox_id, self.snapshots.snapshot(sandbox_id, name))

@@ -19,6 +19,7 @@ __all__ = ["Backends", "make_backend"]
 _ENGINES: dict[str, str] = {
     "container": "corral.backends.container:ContainerBackend",
     "microvm": "corral.backends.microvm.backend:MicroVMBackend",
+    "vm": "corral.backends.vm.backend:VMBackend",
 }
 """kind -> "module:class" (imported on first use)."""
 
@@ -54,6 +55,11 @@ class Backends:
         if backend is None:
             raise InvalidRequest(
                 f"backend: this node has no {kind!r} backend (it has: {', '.join(self._by_kind)})"
+            )
+        if spec.desktop is not None and kind != "vm":
+            raise InvalidRequest(
+                f"desktop: only the 'vm' backend has a display; this sandbox's backend is "
+                f"{kind!r} (ask for backend='vm' with a desktop image)"
             )
         return backend
 

@@ -20,6 +20,7 @@ from corral.sdk._fncall import FnCall
 from corral.sdk._sandbox import Sandbox, invalid_request
 from corral.sdk._stats import fetch_stats
 from corral.spec import (
+    Desktop,
     Event,
     EventSummary,
     ImageInfo,
@@ -273,8 +274,12 @@ class Sandboxes:
         qos: str | None = None,
         network: NetworkPolicy | Mapping[str, Any] | None = None,
         backend: str | None = None,
+        desktop: Desktop | Mapping[str, Any] | None = None,
     ) -> Sandbox:
         """Create a sandbox and wait until it runs.
+
+        ``desktop`` (``backend="vm"`` only) gives the VM a display with an X session of
+        that size; ``sb.desktop`` then takes screenshots and sends input.
 
         An ``ImageInfo`` is pinned by digest, so every sandbox of a run gets the same
         layers even if the name is recomposed meanwhile. None means the spec's default
@@ -293,6 +298,7 @@ class Sandboxes:
             "qos": qos,
             "network": network,
             "backend": backend,
+            "desktop": desktop,
         }
         try:
             spec = SandboxSpec.model_validate({k: v for k, v in fields.items() if v is not None})

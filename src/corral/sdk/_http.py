@@ -28,6 +28,7 @@ from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
     CallResult,
+    DesktopInput,
     Event,
     EventSummary,
     ExecChunk,
@@ -203,7 +204,13 @@ class HTTPOps(NodeOps):
 
     # ------------------------------------------------------------ lifecycle
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
-        resp = await self._call("POST", "/sandboxes", content=spec.model_dump_json(), headers=_JSON)
+        resp = await self._call(
+            "POST",
+            "/sandboxes",
+            content=spec.model_dump_json(),
+            headers=_JSON,
+            timeout=_SLOW if spec.desktop else None,  # a desktop VM boots for minutes under TCG
+        )
         return SandboxInfo.model_validate_json(resp.content)
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
@@ -245,6 +252,15 @@ class HTTPOps(NodeOps):
             "POST", self._sb(sandbox_id, "/network"), json={"allow": allow, "deny": deny}
         )
         return SandboxInfo.model_validate_json(resp.content)
+
+    async def desktop_screenshot(self, sandbox_id: str) -> bytes:
+        resp = await self._call("GET", self._sb(sandbox_id, "/desktop/screenshot"))
+        return resp.content
+
+    async def desktop_input(self, sandbox_id: str, req: DesktopInput) -> None:
+        await self._call(
+            "POST", self._sb(sandbox_id, "/desktop/input"), json=req.model_dump(mode="json")
+        )
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str | None = None) -> ImageInfo:
         resp = await self._call(

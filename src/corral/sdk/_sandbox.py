@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from corral.errors import InvalidRequest, NotFound, SandboxError
 from corral.ops import NodeOps, PtyStream
+from corral.sdk._desktop import Display
 from corral.sdk._network import Network
 from corral.sdk._ports import Ports
 from corral.spec import (
@@ -113,7 +114,7 @@ class Sandbox:
     ``async with sb:`` destroys the sandbox when the block ends.
     """
 
-    __slots__ = ("_ops", "_info", "_files", "_network", "_ports")
+    __slots__ = ("_ops", "_info", "_files", "_network", "_ports", "_desktop")
 
     def __init__(self, ops: NodeOps, info: SandboxInfo, _key: object = None) -> None:
         _check_key(_key, "Sandbox")
@@ -122,6 +123,7 @@ class Sandbox:
         self._files = Files(ops, info.id, _KEY)
         self._network = Network(ops, info.id, self._set_info)
         self._ports = Ports(ops, info.id)
+        self._desktop = Display(ops, info.id)
 
     def _set_info(self, info: SandboxInfo) -> None:
         self._info = info
@@ -156,6 +158,12 @@ class Sandbox:
     def ports(self) -> Ports:
         """Servers the guest runs, reached through the node (``await sb.ports.expose(8000)``)."""
         return self._ports
+
+    @property
+    def desktop(self) -> Display:
+        """Screen and input of a ``vm`` sandbox created with a desktop
+        (``png = await sb.desktop.screenshot(); await sb.desktop.click(10, 10)``)."""
+        return self._desktop
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, image={self._info.image!r}, state={self._info.state!r})"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from corral.node import NodeConfig
     from corral.ops import NodeOps, PtyStream
     from corral.sdk._client import Images, Sandboxes
+    from corral.sdk._desktop import Display
     from corral.sdk._fncall import FnCall, Progress
     from corral.sdk._network import Network
     from corral.sdk._ports import PortEndpoint, Ports
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         CallResult,
         Case,
         CustomChecker,
+        Desktop,
         Event,
         EventSummary,
         ExecChunk,
@@ -63,6 +65,7 @@ __all__ = [
     "BlockingFiles",
     "BlockingNetwork",
     "BlockingPorts",
+    "BlockingDisplay",
     "BlockingExecStream",
     "BlockingProcess",
     "BlockingPtyStream",
@@ -264,8 +267,12 @@ class BlockingSandboxes(_Handle):
         qos: str | None = None,
         network: NetworkPolicy | Mapping[str, Any] | None = None,
         backend: str | None = None,
+        desktop: Desktop | Mapping[str, Any] | None = None,
     ) -> BlockingSandbox:
         """Create a sandbox and wait until it runs.
+
+        ``desktop`` (``backend="vm"`` only) gives the VM a display with an X session of
+        that size; ``sb.desktop`` then takes screenshots and sends input.
 
         An ``ImageInfo`` is pinned by digest, so every sandbox of a run gets the same
         layers even if the name is recomposed meanwhile. None means the spec's default
@@ -285,6 +292,7 @@ class BlockingSandboxes(_Handle):
                 qos=qos,
                 network=network,
                 backend=backend,
+                desktop=desktop,
             )
         )
         return BlockingSandbox(value, self._portal)
@@ -490,6 +498,14 @@ class BlockingSandbox(_Handle):
         """Servers the guest runs, reached through the node (``sb.ports.expose(8000)``)."""
         value = self._obj.ports
         return BlockingPorts(value, self._portal)
+
+    @property
+    def desktop(self) -> BlockingDisplay:
+        """Screen and input of a ``vm`` sandbox created with a desktop
+        (``png = sb.desktop.screenshot(); sb.desktop.click(10, 10)``).
+        """
+        value = self._obj.desktop
+        return BlockingDisplay(value, self._portal)
 
     def refresh(self) -> SandboxInfo:
         return self._portal.call(self._obj.refresh())
@@ -833,6 +849,53 @@ class BlockingPorts(_Handle):
         talk to a node over HTTP (an embedded node has no address to name).
         """
         return self._portal.call(self._obj.expose(port))
+
+
+class BlockingDisplay(_Handle):
+    """Blocking ``corral.sdk._desktop.Display``: the same API, no ``await``.
+
+    Screenshots and pointer/keyboard input of one desktop VM (computer use).
+
+    Coordinates are pixels of the screenshot, (0, 0) top left. Every action returns once
+    its events reached the VM's input devices; what the guest does with them (a window
+    redrawing) shows in a later screenshot.
+
+    Example:
+        >>> png = vm.desktop.screenshot()                         # doctest: +SKIP
+        >>> vm.desktop.click(200, 120)                            # doctest: +SKIP
+        >>> vm.desktop.type("echo hi\\n"); vm.desktop.key("ctrl+l")  # doctest: +SKIP
+    """
+
+    __slots__ = ()
+    _obj: Display
+
+    def screenshot(self) -> bytes:
+        """The screen as PNG bytes (the desktop's width x height)."""
+        return self._portal.call(self._obj.screenshot())
+
+    def move(self, x: int, y: int) -> None:
+        """Move the pointer to (x, y)."""
+        self._portal.call(self._obj.move(x, y))
+
+    def click(self, x: int, y: int, button: str = "left", count: int = 1) -> None:
+        """Move to (x, y) and click ``button`` (left, right, middle) ``count`` times."""
+        self._portal.call(self._obj.click(x, y, button, count))
+
+    def drag(self, x: int, y: int, to_x: int, to_y: int, button: str = "left") -> None:
+        """Press ``button`` at (x, y), move to (to_x, to_y), release."""
+        self._portal.call(self._obj.drag(x, y, to_x, to_y, button))
+
+    def scroll(self, dy: int = 0, dx: int = 0, x: int | None = None, y: int | None = None) -> None:
+        """Wheel clicks: ``dy`` > 0 down, < 0 up; ``dx`` > 0 right; at (x, y) if given."""
+        self._portal.call(self._obj.scroll(dy, dx, x, y))
+
+    def type(self, text: str) -> None:
+        """Type ``text`` as key presses (US layout; printable ASCII, newline, tab)."""
+        self._portal.call(self._obj.type(text))
+
+    def key(self, keys: str) -> None:
+        """Press one key combo, e.g. ``ctrl+l``, ``alt+f4``, ``enter``."""
+        self._portal.call(self._obj.key(keys))
 
 
 class BlockingExecStream(_Handle):

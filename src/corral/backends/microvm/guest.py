@@ -211,12 +211,15 @@ def module_order(kernel: Kernel, wanted: tuple[str, ...] = MODULES) -> list[str]
     return order
 
 
-def build_initramfs(kernel: Kernel, init_bin: Path, out_dir: Path) -> Path:
-    """The initramfs for ``kernel`` with ``init_bin`` (corral-init), cached in ``out_dir``
-    by the digest of everything in it."""
+def build_initramfs(
+    kernel: Kernel, init_bin: Path, out_dir: Path, modules: tuple[str, ...] = MODULES
+) -> Path:
+    """The initramfs for ``kernel`` with ``init_bin`` (corral-init) and ``modules`` (the
+    full-VM backend loads PCI, display and input drivers), cached in ``out_dir`` by the
+    digest of everything in it."""
     if not BUSYBOX.is_file():
         raise HostError(f"microvm: {BUSYBOX} missing (apt-get install busybox-static)")
-    mods = module_order(kernel)
+    mods = module_order(kernel, modules)
     h = hashlib.sha256(INIT_SCRIPT.encode())
     for p in (init_bin, BUSYBOX, kernel.vmlinuz):
         h.update(hashlib.sha256(p.read_bytes()).digest())

@@ -1,0 +1,1 @@
+"""Full-VM sandboxes with a display (``backend="vm"``): corral.backends.vm.backend."""
