@@ -19,13 +19,13 @@ import asyncio
 import logging
 import time
 
+from corral.node.deadlines import SAMPLE, Deadlines, DeathWatch, next_deadline
 from corral.node.lifecycle import Lifecycle
 from corral.node.pause import Pauser
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
 from corral.node.stats import Observer
 from corral.node.table import SandboxTable
-from corral.node.deadlines import SAMPLE, Deadlines, DeathWatch, next_deadline
 from corral.spec import SandboxInfo
 
 __all__ = ["Reaper"]

@@ -139,8 +139,9 @@ class SecurityLog:
         self._lock = threading.Lock()
         self._sb: dict[str, _Sandbox] = {}
         # Sandboxes with entries: a flush visits these, not every sandbox seen (each live
-        # one has counters), so the reaper's pass does not grow with the live count.
-        self._noisy: set[str] = set()
+        # one has counters), so the reaper's pass does not grow with the live count. A dict
+        # as an ordered set: events are written in the order the sandboxes first denied.
+        self._noisy: dict[str, None] = {}
 
     def record(self, sandbox_id: str, kind: str, key: str, detail: Detail, n: int = 1) -> None:
         now = time.time()
@@ -156,7 +157,7 @@ class SecurityLog:
                     detail = {"note": "more distinct denials than the node tracks"}
                 if e is None:
                     e = sb.entries[k] = _Entry(detail=dict(detail), first=now)
-                    self._noisy.add(sandbox_id)
+                    self._noisy[sandbox_id] = None
                     new = True
             if e.count == 0:
                 e.first = now
@@ -192,10 +193,10 @@ class SecurityLog:
                     elif not e.count and due:
                         del sb.entries[k]  # quiet for a window: the next one is news again
                 if not sb.entries:
-                    self._noisy.discard(sid)
+                    self._noisy.pop(sid, None)
                 if final:
                     del self._sb[sid]
-                    self._noisy.discard(sid)
+                    self._noisy.pop(sid, None)
         for sid, kind, d in rows:
             self._add(sid, kind, d)
         return len(rows)
