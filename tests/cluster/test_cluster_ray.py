@@ -121,9 +121,11 @@ import corral
 async def main():
     ray.init(address=sys.argv[1], namespace="corral", log_to_driver=False)
     async with corral.AsyncClient("ray://auto") as client:
-        job = client.jobs.open("rl-kill", max_sandboxes=8, lease_ttl=3, grace=4)
+        name, grace = sys.argv[2], float(sys.argv[3])
+        job = client.jobs.open(name, max_sandboxes=8, lease_ttl=3, grace=grace)
         await job.__aenter__()
         group = await job.create_group(3, "test/busybox", qos="latency")
+        await group[0].exec(["sh", "-c", "echo kept > /tmp/state"])  # state to find again
         print(json.dumps([sb.id for sb in group]), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -133,27 +135,8 @@ asyncio.run(main())
 
 @pytest.mark.heavy
 async def test_lease_expiry_after_client_sigkill(raycorral: LocalRayCluster) -> None:
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAINER, raycorral.address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ},
-    )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.to_thread(proc.stdout.readline)
-        ids = json.loads(line)
-        assert len(ids) == 3
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)  # the trainer dies without a word
-        await asyncio.to_thread(proc.wait)
+    ids = await _trainer_killed(raycorral, "rl-kill", grace=4)  # dies without a word
+    assert len(ids) == 3
     async with corral.AsyncClient("ray://auto") as client:
         ops = client._ops
         assert isinstance(ops, RayOps)
@@ -179,6 +162,58 @@ async def test_lease_expiry_after_client_sigkill(raycorral: LocalRayCluster) -> 
         with pytest.raises(Conflict, match="destroyed"):
             async with client.jobs.attach("rl-kill"):
                 pass
+
+
+async def _trainer_killed(raycorral: LocalRayCluster, job: str, grace: float) -> list[str]:
+    """Run a trainer process that opens ``job`` (lease 3 s) with 3 sandboxes, then SIGKILL
+    it; the ids it made."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, raycorral.address, job, str(grace)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    try:
+        assert proc.stdout is not None
+        ids: list[str] = json.loads(await asyncio.to_thread(proc.stdout.readline))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+    return ids
+
+
+@pytest.mark.heavy
+async def test_restarted_client_attaches_and_gets_its_sandboxes_back(
+    raycorral: LocalRayCluster,
+) -> None:
+    """A trainer killed -9 and started again within the grace takes its job back: the
+    sandboxes its lease lapse paused run again, with their state, and the job is its own."""
+    ids = await _trainer_killed(raycorral, "rl-back", grace=300)
+    assert len(ids) == 3
+    async with corral.AsyncClient("ray://auto") as client:
+        ops = client._ops
+        assert isinstance(ops, RayOps)
+
+        async def paused() -> bool:
+            return {(await ops.sandbox_get(i)).state for i in ids} == {"paused"}
+
+        await _until("job paused after the lease lapsed", paused)
+        async with client.jobs.attach("rl-back") as job:
+            assert {(await ops.sandbox_get(i)).state for i in ids} == {"running"}
+            r = await ops.exec(ids[0], ExecRequest(cmd=["cat", "/tmp/state"]))
+            assert r.stdout == b"kept\n"
+            assert sorted(sb.id for sb in await job.sandboxes()) == sorted(ids)
+            job.close_on_exit = True  # this client now owns the job: a clean exit ends it
+        kinds = [e.kind for e in await client.jobs.events() if e.detail.get("job") == "rl-back"]
+        assert kinds[:2] == ["lease_expired", "job_attached"]
+        assert await client.sandboxes.list(labels={"corral.job": "rl-back"}) == []
 
 
 @pytest.mark.heavy
