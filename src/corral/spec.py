@@ -660,6 +660,12 @@ class NodeStatus(_Model):
     landlock_detail: str = ""
     max_sandboxes: int = 0
     """Most live sandboxes it admits (0: no limit of its own)."""
+    idle_capacity: int = 0
+    """About how many idle sandboxes this host holds: the live ones plus what the available
+    memory holds at the measured cost of one, or less if a sysctl or the open-files limit
+    binds first (corral.node.limits)."""
+    idle_capacity_bound: str = ""
+    """What binds ``idle_capacity``: ``memory``, a sysctl's name, or ``RLIMIT_NOFILE``."""
     cpus: int = 0
     """CPUs of the host."""
     load1: float = 0.0

@@ -193,6 +193,12 @@ def status(
     out().print(status_table(st))
 
 
+def _capacity(st: NodeStatus) -> str:
+    if not st.idle_capacity:
+        return "unknown"
+    return f"about {st.idle_capacity} idle sandboxes (bounded by {st.idle_capacity_bound})"
+
+
 def status_table(st: NodeStatus) -> Table:
     """The node's status as a two-column table (key, value)."""
     table = Table(show_header=False, box=None)
@@ -206,6 +212,7 @@ def status_table(st: NodeStatus) -> Table:
         *(_backend_row(b, st.default_backend) for b in st.backends),
         ("cgroups", st.cgroup_mode),
         ("sandboxes", f"{st.sandboxes}{cap} ({st.running} running, {st.paused} paused)"),
+        ("idle capacity", _capacity(st)),
         ("cpus", f"{st.cpus} (load {st.load1:.2f})"),
         ("memory", f"{human_bytes(st.mem_available)} free of {human_bytes(st.mem_total)}"),
         ("scratch", f"{human_bytes(st.scratch_free)} free of {human_bytes(st.scratch_total)}"),

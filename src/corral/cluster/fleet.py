@@ -627,6 +627,7 @@ class FleetClient(NodeOps):
             mem_total=sum(s.mem_total for s in sts),
             mem_available=sum(s.mem_available for s in sts),
             max_sandboxes=sum(s.max_sandboxes for s in sts),
+            idle_capacity=sum(s.idle_capacity for s in sts),
             cpus=sum(s.cpus for s in sts),
             load1=sum(s.load1 for s in sts),
             scratch_total=sum(s.scratch_total for s in sts),

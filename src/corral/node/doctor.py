@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -35,6 +34,7 @@ from corral.errors import HostError
 from corral.host import fdstore, landlock, leaks, spawn
 from corral.host.cbuild import built_path
 from corral.host.cgroups import detect_mode
+from corral.node import limits
 from corral.node.config import NodeConfig
 from corral.node.doctor_probes import Ctx as _Ctx
 from corral.node.doctor_probes import Host as _Host
@@ -368,22 +368,7 @@ def _disk(x: _Ctx) -> Check:
     return _c("free disk", True, shown, fatal=True)
 
 
-_Need = Callable[[int], int]
-_SYSCTLS: tuple[tuple[str, _Need, str], ...] = (
-    ("kernel.pid_max", lambda n: max(32768, 16 * n), "every task of every sandbox takes a pid"),
-    ("kernel.threads-max", lambda n: 16 * n, "host-wide task limit"),
-    ("user.max_user_namespaces", lambda n: 2 * n, "one per sandbox and image build"),
-    ("user.max_mnt_namespaces", lambda n: 2 * n, "one per sandbox"),
-    ("user.max_pid_namespaces", lambda n: n, "one per sandbox"),
-    ("user.max_net_namespaces", lambda n: n, "one per sandbox"),
-    ("fs.file-max", lambda n: 64 * n, "open files of all sandboxes and the node"),
-    ("fs.nr_open", lambda n: 4 * n, "caps the node agent's own open files"),
-    ("fs.inotify.max_user_instances", lambda n: 128, "per sandbox, each has its own owner uid"),
-    ("fs.inotify.max_user_watches", lambda n: 65536, "per user; file watchers in sandboxes"),
-    ("vm.max_map_count", lambda n: 65530, "per process; JVMs and databases want 262144"),
-    ("kernel.keys.maxkeys", lambda n: 200, "per user; sandboxes get no session keyrings"),
-    ("kernel.pty.max", lambda n: n, "one per interactive shell"),
-)
+_SYSCTLS = limits.SYSCTLS
 
 
 def _sysctls(x: _Ctx) -> list[Check]:
@@ -403,17 +388,35 @@ def _sysctls(x: _Ctx) -> list[Check]:
                 f"sysctl -w {name}={want} (persist in /etc/sysctl.d/), or lower max_sandboxes",
             )
         )
-    nofile, want = x.probes.nofile(), 4 * n
+    nofile, want = x.probes.nofile(), limits.FDS_PER_SANDBOX * n
     out.append(
         _c(
             "open files limit",
             nofile >= want,
-            f"RLIMIT_NOFILE {nofile} (>= {want} for max_sandboxes {n}: the node keeps ~4 fds "
+            f"RLIMIT_NOFILE {nofile} (>= {want} for max_sandboxes {n}: the node keeps "
+            f"~{limits.FDS_PER_SANDBOX} fds "
             "per sandbox, e.g. its control connection and seccomp fd)",
             f"ulimit -n {want} before starting the node (LimitNOFILE= in a systemd unit)",
         )
     )
+    cap = limits.capacity(_mem_available(x), 0, x.host.sysctl, nofile)
+    out.append(
+        _c(
+            "density",
+            True,
+            f"this node can hold {cap.describe()}, at "
+            f"{limits.IDLE_SANDBOX_BYTES / limits.MIB:.2f} MiB of host memory per idle "
+            f"sandbox (measured: corral bench density); max_sandboxes is {n}",
+        )
+    )
     return out
+
+
+def _mem_available(x: _Ctx) -> int:
+    for line in (x.host.read("proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _pinned_by(x: _Ctx, prefixes: list[Path]) -> list[str]:

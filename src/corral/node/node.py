@@ -41,6 +41,7 @@ from corral.errors import Conflict, CorralError, InvalidRequest
 from corral.host.btrfs import Scratch
 from corral.host.cgroups import Cgroups
 from corral.node import gc as gcmod
+from corral.node import limits
 from corral.node import status as statusmod
 from corral.node.config import NodeConfig
 from corral.node.doctor import check_host
@@ -180,6 +181,7 @@ class Node:
     ) -> Node:
         if parts is None:  # a real host: refuse to start where sandboxes cannot be served
             await check_host(cfg)
+            limits.warn_short(cfg.max_sandboxes)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(cfg.state_dir / "node.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

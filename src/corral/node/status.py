@@ -10,6 +10,7 @@ import psutil
 
 from corral import __version__
 from corral.host import criu, landlock, sched
+from corral.node import limits
 from corral.spec import NodeStatus
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ async def node_status(node: Node) -> NodeStatus:
     backends = [b.status() for b in node.backends.all()]
     mounted = sum(int(b.detail.get("layer_mounts", "0")) for b in backends)
     table = node.table
+    cap = limits.capacity(vm.available, len(table))
     return NodeStatus(
         node_id=node.node_id,
         version=__version__,
@@ -52,6 +54,8 @@ async def node_status(node: Node) -> NodeStatus:
         landlock=ll_abi,
         landlock_detail=ll_detail,
         max_sandboxes=node.config.max_sandboxes,
+        idle_capacity=cap.sandboxes,
+        idle_capacity_bound=cap.bound_by,
         cpus=os.cpu_count() or 1,
         load1=os.getloadavg()[0],
         scratch_total=scratch_total,

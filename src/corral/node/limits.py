@@ -1,0 +1,132 @@
+"""The host limits that bound how many sandboxes a node holds, and the estimate they give.
+
+The node checks these at start and reports them (a log line per limit below what
+``max_sandboxes`` needs; ``corral doctor`` shows each one), and never changes them: a
+sysctl is the operator's decision. :func:`capacity` turns them and the memory figure into
+"this node can hold about N idle sandboxes", in NodeStatus (``idle_capacity``, with the
+limit that binds) and in the doctor's output.
+
+The memory figure is measured, not derived: ``corral bench density`` reports the host
+memory one idle sandbox costs (user memory plus the kernel's unreclaimable objects:
+namespaces, cgroups, mounts). :data:`IDLE_SANDBOX_BYTES` is that figure for this version;
+``NodeConfig`` does not override it because a wrong guess is worse than a measured one.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "SYSCTLS",
+    "IDLE_SANDBOX_BYTES",
+    "FDS_PER_SANDBOX",
+    "Capacity",
+    "capacity",
+    "sysctl",
+    "short_of",
+    "warn_short",
+]
+
+MIB = 1 << 20
+log = logging.getLogger("corral.node")
+
+IDLE_SANDBOX_BYTES = int(1.42 * MIB)
+"""Host memory per idle sandbox, kernel objects included: ``bench density --count 3200``
+on the landed main (issue 15: 1.42 MiB, of which ~1.15 MiB unreclaimable slab, most of it
+the v1 memory cgroup's per-shrinker slots, which grow with the superblocks on the host)."""
+
+Need = Callable[[int], int]
+
+SYSCTLS: tuple[tuple[str, Need, str], ...] = (
+    ("kernel.pid_max", lambda n: max(32768, 16 * n), "every task of every sandbox takes a pid"),
+    ("kernel.threads-max", lambda n: 16 * n, "host-wide task limit"),
+    ("user.max_user_namespaces", lambda n: 2 * n, "one per sandbox and image build"),
+    ("user.max_mnt_namespaces", lambda n: 2 * n, "one per sandbox"),
+    ("user.max_pid_namespaces", lambda n: n, "one per sandbox"),
+    ("user.max_net_namespaces", lambda n: n, "one per sandbox"),
+    ("fs.file-max", lambda n: 64 * n, "open files of all sandboxes and the node"),
+    ("fs.nr_open", lambda n: 4 * n, "caps the node agent's own open files"),
+    ("fs.inotify.max_user_instances", lambda n: 128, "per sandbox, each has its own owner uid"),
+    ("fs.inotify.max_user_watches", lambda n: 65536, "per user; file watchers in sandboxes"),
+    ("vm.max_map_count", lambda n: 65530, "per process; JVMs and databases want 262144"),
+    ("kernel.keys.maxkeys", lambda n: 200, "per user; sandboxes get no session keyrings"),
+    ("kernel.pty.max", lambda n: n, "one per interactive shell"),
+    ("net.core.somaxconn", lambda n: 128, "per socket; the node's API listens with a backlog"),
+)
+"""(sysctl, what ``n`` sandboxes need of it, why)."""
+
+_PER_SANDBOX: dict[str, int] = {
+    # the limits that scale with the count: how many of each one sandbox takes
+    "kernel.pid_max": 16,
+    "kernel.threads-max": 16,
+    "user.max_user_namespaces": 1,
+    "user.max_mnt_namespaces": 1,
+    "user.max_pid_namespaces": 1,
+    "user.max_net_namespaces": 1,
+    "fs.file-max": 64,
+}
+FDS_PER_SANDBOX = 4
+"""The node's own open files per sandbox: control connection, seccomp fd, pidfd, spare."""
+
+
+def sysctl(name: str, root: Path = Path("/")) -> int | None:
+    """An integer sysctl (its first field), None if this kernel has no such one."""
+    try:
+        text = (root / "proc/sys" / name.replace(".", "/")).read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """About how many idle sandboxes this node holds, and what stops it there."""
+
+    sandboxes: int
+    bound_by: str
+
+    def describe(self) -> str:
+        return f"about {self.sandboxes} idle sandboxes (bounded by {self.bound_by})"
+
+
+def capacity(
+    mem_available: int,
+    live: int,
+    read: Callable[[str], int | None] = sysctl,
+    nofile: int | None = None,
+    per_sandbox: int = IDLE_SANDBOX_BYTES,
+) -> Capacity:
+    """The smallest of: the live sandboxes plus what the available memory holds at
+    ``per_sandbox`` bytes each, each count-bound sysctl divided by what a sandbox takes of
+    it, and the node's open-files limit (``nofile``, default: its RLIMIT_NOFILE)."""
+    bounds = {"memory": live + max(0, mem_available) // max(1, per_sandbox)}
+    for name, each in _PER_SANDBOX.items():
+        value = read(name)
+        if value is not None:
+            bounds[name] = value // each
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    bounds["RLIMIT_NOFILE"] = nofile // FDS_PER_SANDBOX
+    name = min(bounds, key=lambda k: bounds[k])
+    return Capacity(bounds[name], name)
+
+
+def short_of(n: int, read: Callable[[str], int | None] = sysctl) -> list[str]:
+    """One line per sysctl below what ``n`` sandboxes need (for the node's start-up log)."""
+    out = []
+    for name, need, why in SYSCTLS:
+        value = read(name)
+        if value is not None and value < need(n):
+            out.append(f"{name} = {value} < {need(n)} for max_sandboxes {n} ({why})")
+    return out
+
+
+def warn_short(n: int, read: Callable[[str], int | None] = sysctl) -> None:
+    """Log each sysctl below what ``n`` sandboxes need, at node start. Reported, never
+    changed: a sysctl is the operator's decision, and the doctor lists them all."""
+    for short in short_of(n, read):
+        log.warning("density limit: %s; `corral doctor` lists them all", short)

@@ -1,0 +1,160 @@
+"""The node limits that bound density (corral.node.limits) and where they are reported:
+the capacity estimate, the start-up warnings, ``corral doctor`` and NodeStatus."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from corral.node import limits
+from corral.node.doctor import run_checks
+from corral.spec import NodeStatus
+
+from .test_doctor import SYSCTLS, by_name, config, fake_host, probes
+
+GIB = 1 << 30
+ROOMY = {k.replace("/", "."): v for k, v in SYSCTLS.items()}
+"""A host whose sysctls bind nothing below a million sandboxes' worth of memory."""
+
+
+def reader(**low: int) -> Callable[[str], int | None]:
+    values = {**ROOMY, **{k.replace("__", "."): v for k, v in low.items()}}
+    return values.get
+
+
+def test_memory_binds_on_a_roomy_host() -> None:
+    cap = limits.capacity(8 * GIB, 0, reader(), nofile=1 << 20, per_sandbox=1 << 20)
+    assert cap == limits.Capacity(8192, "memory")
+    assert "8192" in cap.describe() and "memory" in cap.describe()
+
+
+def test_live_sandboxes_count_towards_the_memory_bound() -> None:
+    # Available memory already excludes the live ones: they are added back.
+    cap = limits.capacity(1 * GIB, 3000, reader(), nofile=1 << 20, per_sandbox=1 << 20)
+    assert cap == limits.Capacity(3000 + 1024, "memory")
+
+
+def test_a_low_sysctl_binds_and_is_named() -> None:
+    read = reader(user__max_net_namespaces=500)
+    cap = limits.capacity(64 * GIB, 0, read, nofile=1 << 20)
+    assert cap == limits.Capacity(500, "user.max_net_namespaces")
+
+
+def test_pid_max_binds_at_sixteen_tasks_a_sandbox() -> None:
+    cap = limits.capacity(64 * GIB, 0, reader(kernel__pid_max=32768), nofile=1 << 20)
+    assert cap == limits.Capacity(32768 // 16, "kernel.pid_max")
+
+
+def test_the_open_files_limit_binds() -> None:
+    cap = limits.capacity(64 * GIB, 0, reader(), nofile=1024)
+    assert cap == limits.Capacity(1024 // limits.FDS_PER_SANDBOX, "RLIMIT_NOFILE")
+
+
+def test_a_sysctl_this_kernel_lacks_binds_nothing() -> None:
+    # e.g. an older kernel without user.max_*_namespaces
+    cap = limits.capacity(1 * GIB, 0, {}.get, nofile=1 << 20, per_sandbox=1 << 20)
+    assert cap.bound_by == "memory"
+
+
+def test_short_of_names_each_low_sysctl_with_the_value_it_needs() -> None:
+    assert limits.short_of(4096, reader()) == []
+    lines = limits.short_of(4096, reader(kernel__pid_max=32768, fs__file_max=1000))
+    assert len(lines) == 1  # fs.file_max is no sysctl of the table: ignored
+    assert "kernel.pid_max = 32768 < 65536 for max_sandboxes 4096" in lines[0]
+    lines = limits.short_of(4096, reader(**{"fs__file-max": 1000}))
+    assert lines == [
+        "fs.file-max = 1000 < 262144 for max_sandboxes 4096 (open files of all sandboxes and the node)"
+    ]
+
+
+def test_sysctl_reads_the_first_field(tmp_path: Path) -> None:
+    (tmp_path / "proc/sys/fs").mkdir(parents=True)
+    (tmp_path / "proc/sys/fs/file-nr").write_text("1216\t0\t9223372036854775807\n")
+    assert limits.sysctl("fs.file-nr", tmp_path) == 1216
+    assert limits.sysctl("fs.nope", tmp_path) is None
+
+
+def test_doctor_reports_the_capacity_and_what_binds_it(tmp_path: Path) -> None:
+    meminfo = "MemTotal: 25165824 kB\nMemAvailable: 16777216 kB\n"
+    root = fake_host(
+        tmp_path / "root", proc__meminfo=meminfo, proc__sys__user__max_net_namespaces="500\n"
+    )
+    c = by_name(run_checks(config(tmp_path), root=root, probes=probes()))["density"]
+    assert c.ok
+    assert "about 500 idle sandboxes (bounded by user.max_net_namespaces)" in c.detail
+    roomy = fake_host(tmp_path / "roomy", proc__meminfo=meminfo)
+    c = by_name(run_checks(config(tmp_path), root=roomy, probes=probes()))["density"]
+    want = 16 * GIB // limits.IDLE_SANDBOX_BYTES
+    assert f"about {want} idle sandboxes (bounded by memory)" in c.detail
+
+
+def test_open_files_check_uses_the_per_sandbox_figure(tmp_path: Path) -> None:
+    root = fake_host(tmp_path / "root")
+    checks = run_checks(config(tmp_path, max_sandboxes=100), root=root, probes=probes())
+    assert f">= {100 * limits.FDS_PER_SANDBOX} " in by_name(checks)["open files limit"].detail
+
+
+def test_node_status_carries_the_estimate() -> None:
+    st = NodeStatus(
+        node_id="n",
+        version="0",
+        cgroup_mode="v2",
+        sandboxes=0,
+        running=0,
+        paused=0,
+        state_dir="",
+        store="",
+        mounted_layers=0,
+        mem_total=0,
+        mem_available=0,
+        idle_capacity=9000,
+        idle_capacity_bound="memory",
+    )
+    back = NodeStatus.model_validate_json(st.model_dump_json())
+    assert (back.idle_capacity, back.idle_capacity_bound) == (9000, "memory")
+
+
+def test_node_start_logs_each_short_limit(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="corral.node")
+    limits.warn_short(4096, reader(kernel__pid_max=32768))
+    assert [r.getMessage() for r in caplog.records] == [
+        "density limit: kernel.pid_max = 32768 < 65536 for max_sandboxes 4096 (every task of "
+        "every sandbox takes a pid); `corral doctor` lists them all"
+    ]
+
+
+def test_status_table_shows_the_estimate() -> None:
+    from corral.cli.node import status_table
+
+    st = NodeStatus(
+        node_id="n",
+        version="0",
+        cgroup_mode="v2",
+        sandboxes=0,
+        running=0,
+        paused=0,
+        state_dir="",
+        store="",
+        mounted_layers=0,
+        mem_total=0,
+        mem_available=0,
+        idle_capacity=9000,
+        idle_capacity_bound="memory",
+    )
+    rows = dict(zip(*(c._cells for c in status_table(st).columns), strict=True))
+    assert rows["idle capacity"] == "about 9000 idle sandboxes (bounded by memory)"
+    assert (
+        dict(
+            zip(
+                *(
+                    c._cells
+                    for c in status_table(st.model_copy(update={"idle_capacity": 0})).columns
+                ),
+                strict=True,
+            )
+        )["idle capacity"]
+        == "unknown"
+    )
