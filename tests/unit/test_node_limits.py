@@ -158,3 +158,45 @@ def test_status_table_shows_the_estimate() -> None:
         )["idle capacity"]
         == "unknown"
     )
+
+
+class FakeRlimit:
+    """RLIMIT_NOFILE of a pretend process: what setrlimit would allow, recorded."""
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+
+    def get(self, which: int) -> tuple[int, int]:
+        return self.soft, self.hard
+
+    def set(self, which: int, value: tuple[int, int]) -> None:
+        assert value[0] <= value[1]
+        self.soft, self.hard = value
+
+
+@pytest.mark.parametrize(
+    ("euid", "soft", "hard", "want"),
+    [
+        (0, 1024, 20000, (41024, 41024)),  # root: the hard limit too, to what 10,000 need
+        (0, 1024, 1 << 20, (41024, 1 << 20)),  # never lowers the hard limit
+        (0, 50000, 60000, (50000, 60000)),  # nor the soft one
+        (1000, 1024, 20000, (20000, 20000)),  # not root: up to the hard limit, then a warning
+    ],
+)
+def test_raise_nofile(
+    monkeypatch: pytest.MonkeyPatch, euid: int, soft: int, hard: int, want: tuple[int, int]
+) -> None:
+    lim = FakeRlimit(soft, hard)
+    monkeypatch.setattr(limits.resource, "getrlimit", lim.get)
+    monkeypatch.setattr(limits.resource, "setrlimit", lim.set)
+    monkeypatch.setattr(limits.os, "geteuid", lambda: euid)
+    assert limits.raise_nofile(10000, reader()) == want[0]
+    assert (lim.soft, lim.hard) == want
+
+
+def test_raise_nofile_stops_at_nr_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    lim = FakeRlimit(1024, 4096)
+    monkeypatch.setattr(limits.resource, "getrlimit", lim.get)
+    monkeypatch.setattr(limits.resource, "setrlimit", lim.set)
+    monkeypatch.setattr(limits.os, "geteuid", lambda: 0)
+    assert limits.raise_nofile(10000, reader(fs__nr_open=30000)) == 30000

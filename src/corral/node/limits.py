@@ -6,6 +6,11 @@ sysctl is the operator's decision. :func:`capacity` turns them and the memory fi
 "this node can hold about N idle sandboxes", in NodeStatus (``idle_capacity``, with the
 limit that binds) and in the doctor's output.
 
+One limit the node does change is its own: RLIMIT_NOFILE (:func:`raise_nofile`). It keeps
+a pidfd and a seccomp listener fd per sandbox, so 10,000 sandboxes need ~20,000 open
+files, above the soft limit most shells hand down; raising a process's own limit up to
+``fs.nr_open`` is what ``LimitNOFILE=`` in a unit would do, and touches nothing host-wide.
+
 The memory figure is measured, not derived: ``corral bench density`` reports the host
 memory one idle sandbox costs (user memory plus the kernel's unreclaimable objects:
 namespaces, cgroups, mounts). :data:`IDLE_SANDBOX_BYTES` is that figure for this version;
@@ -15,6 +20,7 @@ namespaces, cgroups, mounts). :data:`IDLE_SANDBOX_BYTES` is that figure for this
 from __future__ import annotations
 
 import logging
+import os
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ __all__ = [
     "sysctl",
     "short_of",
     "warn_short",
+    "raise_nofile",
 ]
 
 MIB = 1 << 20
@@ -71,6 +78,8 @@ _PER_SANDBOX: dict[str, int] = {
 }
 FDS_PER_SANDBOX = 4
 """The node's own open files per sandbox: control connection, seccomp fd, pidfd, spare."""
+_NODE_FDS = 1024
+"""Headroom for the node itself: its state database, sockets, clients, image builds."""
 
 
 def sysctl(name: str, root: Path = Path("/")) -> int | None:
@@ -130,3 +139,33 @@ def warn_short(n: int, read: Callable[[str], int | None] = sysctl) -> None:
     changed: a sysctl is the operator's decision, and the doctor lists them all."""
     for short in short_of(n, read):
         log.warning("density limit: %s; `corral doctor` lists them all", short)
+
+
+def raise_nofile(n: int, read: Callable[[str], int | None] = sysctl) -> int:
+    """Raise the node's own RLIMIT_NOFILE to what ``n`` sandboxes need (plus headroom for
+    the node itself): the soft limit up to the hard one, and as root the hard one too, up to
+    ``fs.nr_open``. Never lowers either. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FDS_PER_SANDBOX * n + _NODE_FDS
+    if want > hard and os.geteuid() == 0:
+        top = read("fs.nr_open") or hard
+        new_hard = max(hard, min(want, top))
+        try:
+            # Safe: the node's own limit (inherited by the helpers it starts, whose
+            # sandboxes get the config's rlimits explicitly), bounded by fs.nr_open.
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(want, new_hard)), new_hard))
+        except (OSError, ValueError) as e:
+            log.warning("could not raise RLIMIT_NOFILE to %d: %s", want, e)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(want, hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+        soft = min(want, hard)
+    if soft < want:
+        log.warning(
+            "RLIMIT_NOFILE %d is below the %d that max_sandboxes %d needs; start the node "
+            "with a higher limit (ulimit -n, LimitNOFILE= in a systemd unit)",
+            soft,
+            want,
+            n,
+        )
+    return soft

@@ -180,6 +180,7 @@ class Node:
         parts: Parts | None,
     ) -> Node:
         if parts is None:  # a real host: refuse to start where sandboxes cannot be served
+            limits.raise_nofile(cfg.max_sandboxes)  # before the doctor checks it
             await check_host(cfg)
             limits.warn_short(cfg.max_sandboxes)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
