@@ -661,9 +661,9 @@ class NodeStatus(_Model):
     max_sandboxes: int = 0
     """Most live sandboxes it admits (0: no limit of its own)."""
     idle_capacity: int = 0
-    """About how many idle sandboxes this host holds: the live ones plus what the available
-    memory holds at the measured cost of one, or less if a sysctl or the open-files limit
-    binds first (corral.node.limits)."""
+    """About how many idle sandboxes this host holds: what its memory holds at the measured
+    cost of one (which grows with the count: corral.node.limits.idle_bytes), or less if a
+    sysctl or the open-files limit binds first. 0: not known (a fake node)."""
     idle_capacity_bound: str = ""
     """What binds ``idle_capacity``: ``memory``, a sysctl's name, or ``RLIMIT_NOFILE``."""
     cpus: int = 0

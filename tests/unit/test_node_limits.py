@@ -16,6 +16,7 @@ from corral.spec import NodeStatus
 from .test_doctor import SYSCTLS, by_name, config, fake_host, probes
 
 GIB = 1 << 30
+MIB = 1 << 20
 ROOMY = {k.replace("/", "."): v for k, v in SYSCTLS.items()}
 """A host whose sysctls bind nothing below a million sandboxes' worth of memory."""
 
@@ -25,16 +26,35 @@ def reader(**low: int) -> Callable[[str], int | None]:
     return values.get
 
 
+def test_a_sandbox_costs_more_the_more_there_are() -> None:
+    # The shrinker slots: 16 B per superblock on the host, in every memory cgroup.
+    assert limits.idle_bytes(0) == limits.BASE_BYTES
+    slots = limits.SHRINKER_SLOT_BYTES * limits.SUPERBLOCKS_PER_SANDBOX
+    assert limits.idle_bytes(10000) - limits.idle_bytes(3200) == slots * 6800
+    assert 1.9 * MIB < limits.idle_bytes(10000) < 2.0 * MIB
+
+
+@pytest.mark.parametrize("budget", [0, 1, MIB, 8 * GIB, 22 * GIB, 100 * GIB])
+def test_fits_is_the_largest_count_the_budget_holds(budget: int) -> None:
+    n = limits.fits(budget)
+    assert n * limits.idle_bytes(n) <= budget < (n + 1) * limits.idle_bytes(n + 1)
+
+
 def test_memory_binds_on_a_roomy_host() -> None:
-    cap = limits.capacity(8 * GIB, 0, reader(), nofile=1 << 20, per_sandbox=1 << 20)
-    assert cap == limits.Capacity(8192, "memory")
-    assert "8192" in cap.describe() and "memory" in cap.describe()
+    cap = limits.capacity(22 * GIB, 0, reader(), nofile=1 << 20)
+    assert cap == limits.Capacity(limits.fits(22 * GIB), "memory")
+    assert 10000 < cap.sandboxes < 13000  # this host: 10,000 fit, not 2x
+    assert str(cap.sandboxes) in cap.describe() and "memory" in cap.describe()
 
 
 def test_live_sandboxes_count_towards_the_memory_bound() -> None:
-    # Available memory already excludes the live ones: they are added back.
-    cap = limits.capacity(1 * GIB, 3000, reader(), nofile=1 << 20, per_sandbox=1 << 20)
-    assert cap == limits.Capacity(3000 + 1024, "memory")
+    # Available memory already excludes what the live ones use: it is added back.
+    live = 3000
+    cap = limits.capacity(1 * GIB, live, reader(), nofile=1 << 20)
+    assert cap.bound_by == "memory"
+    assert cap.sandboxes == limits.fits(1 * GIB + live * limits.idle_bytes(live)) > live
+    # and a full node never reports fewer than it holds
+    assert limits.capacity(0, live, reader(), nofile=1 << 20).sandboxes == live
 
 
 def test_a_low_sysctl_binds_and_is_named() -> None:
@@ -55,7 +75,7 @@ def test_the_open_files_limit_binds() -> None:
 
 def test_a_sysctl_this_kernel_lacks_binds_nothing() -> None:
     # e.g. an older kernel without user.max_*_namespaces
-    cap = limits.capacity(1 * GIB, 0, {}.get, nofile=1 << 20, per_sandbox=1 << 20)
+    cap = limits.capacity(1 * GIB, 0, {}.get, nofile=1 << 20)
     assert cap.bound_by == "memory"
 
 
@@ -87,7 +107,7 @@ def test_doctor_reports_the_capacity_and_what_binds_it(tmp_path: Path) -> None:
     assert "about 500 idle sandboxes (bounded by user.max_net_namespaces)" in c.detail
     roomy = fake_host(tmp_path / "roomy", proc__meminfo=meminfo)
     c = by_name(run_checks(config(tmp_path), root=roomy, probes=probes()))["density"]
-    want = 16 * GIB // limits.IDLE_SANDBOX_BYTES
+    want = limits.fits(16 * GIB)
     assert f"about {want} idle sandboxes (bounded by memory)" in c.detail
 
 

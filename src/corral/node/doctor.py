@@ -405,8 +405,9 @@ def _sysctls(x: _Ctx) -> list[Check]:
             "density",
             True,
             f"this node can hold {cap.describe()}, at "
-            f"{limits.IDLE_SANDBOX_BYTES / limits.MIB:.2f} MiB of host memory per idle "
-            f"sandbox (measured: corral bench density); max_sandboxes is {n}",
+            f"{limits.idle_bytes(cap.sandboxes) / limits.MIB:.2f} MiB of host memory each "
+            "(the kernel's part grows with the count: corral.node.limits); "
+            f"max_sandboxes is {n}",
         )
     )
     return out

@@ -11,15 +11,23 @@ a pidfd and a seccomp listener fd per sandbox, so 10,000 sandboxes need ~20,000 
 files, above the soft limit most shells hand down; raising a process's own limit up to
 ``fs.nr_open`` is what ``LimitNOFILE=`` in a unit would do, and touches nothing host-wide.
 
-The memory figure is measured, not derived: ``corral bench density`` reports the host
-memory one idle sandbox costs (user memory plus the kernel's unreclaimable objects:
-namespaces, cgroups, mounts). :data:`IDLE_SANDBOX_BYTES` is that figure for this version;
+The memory a sandbox costs is not a constant: it grows with the number of sandboxes on
+the host. Every superblock (a sandbox mounts 8 of its own: overlay root, proc, sysfs,
+/dev, /dev/shm, devpts, mqueue, the /sys/fs/cgroup tmpfs) registers a memcg-aware
+shrinker, and every memory cgroup (one per sandbox) holds a slot per shrinker id up to
+the host's high-water mark, in 1 KiB units of 64 ids (mm/shrinker.c, ``shrinker_info``:
+16 bytes per id per memory cgroup). So n sandboxes cost ``n * (BASE + 16 * 8 * n)``
+bytes: 0.4 MiB each of shrinker slots at 3,200, 1.25 MiB at 10,000. :func:`idle_bytes`
+is that model, fitted to ``corral bench density`` (docs/design-notes.md, "Density");
 ``NodeConfig`` does not override it because a wrong guess is worse than a measured one.
+The high-water mark never falls until a reboot: a host that once held 10,000 sandboxes
+pays the 10,000 figure for every new memory cgroup.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 from collections.abc import Callable
@@ -28,7 +36,9 @@ from pathlib import Path
 
 __all__ = [
     "SYSCTLS",
-    "IDLE_SANDBOX_BYTES",
+    "BASE_BYTES",
+    "idle_bytes",
+    "fits",
     "FDS_PER_SANDBOX",
     "Capacity",
     "capacity",
@@ -41,10 +51,36 @@ __all__ = [
 MIB = 1 << 20
 log = logging.getLogger("corral.node")
 
-IDLE_SANDBOX_BYTES = int(1.42 * MIB)
-"""Host memory per idle sandbox, kernel objects included: ``bench density --count 3200``
-on the landed main (issue 15: 1.42 MiB, of which ~1.15 MiB unreclaimable slab, most of it
-the v1 memory cgroup's per-shrinker slots, which grow with the superblocks on the host)."""
+BASE_BYTES = int(0.72 * MIB)
+"""Host memory per idle sandbox apart from the shrinker slots: its memory cgroup's own
+charge (page tables, init's pages, kernel objects charged to it) and the unreclaimable
+kernel objects of its namespaces, cgroups and mounts. Issue 15's quiet ``bench density
+--count 3200`` (1.42 MiB per sandbox with 14 superblocks each) less that run's shrinker
+slots (16 B * 14 * 3,200 = 0.68 MiB)."""
+
+SUPERBLOCKS_PER_SANDBOX = 8
+"""Superblocks each sandbox adds to the host (see the module docstring)."""
+
+SHRINKER_SLOT_BYTES = 16
+"""Bytes per shrinker id per memory cgroup (a 1 KiB kmalloc unit holds 64 ids)."""
+
+
+def idle_bytes(n: int) -> int:
+    """Host memory per idle sandbox when ``n`` are alive (see the module docstring)."""
+    return BASE_BYTES + SHRINKER_SLOT_BYTES * SUPERBLOCKS_PER_SANDBOX * max(0, n)
+
+
+def fits(budget: int) -> int:
+    """The most idle sandboxes ``budget`` bytes hold: the largest n with
+    ``n * idle_bytes(n) <= budget`` (the positive root of b*n^2 + a*n - budget)."""
+    a, b = BASE_BYTES, SHRINKER_SLOT_BYTES * SUPERBLOCKS_PER_SANDBOX
+    if budget <= 0:
+        return 0
+    n = int((-a + math.sqrt(a * a + 4 * b * budget)) / (2 * b))
+    while n > 0 and n * idle_bytes(n) > budget:  # float rounding at the edge
+        n -= 1
+    return n
+
 
 Need = Callable[[int], int]
 
@@ -107,12 +143,13 @@ def capacity(
     live: int,
     read: Callable[[str], int | None] = sysctl,
     nofile: int | None = None,
-    per_sandbox: int = IDLE_SANDBOX_BYTES,
 ) -> Capacity:
-    """The smallest of: the live sandboxes plus what the available memory holds at
-    ``per_sandbox`` bytes each, each count-bound sysctl divided by what a sandbox takes of
-    it, and the node's open-files limit (``nofile``, default: its RLIMIT_NOFILE)."""
-    bounds = {"memory": live + max(0, mem_available) // max(1, per_sandbox)}
+    """The smallest of: what the memory holds (the available memory plus what the
+    ``live`` sandboxes use now, shared out by :func:`fits`), each count-bound sysctl
+    divided by what a sandbox takes of it, and the node's open-files limit (``nofile``,
+    default: its RLIMIT_NOFILE)."""
+    live = max(0, live)
+    bounds = {"memory": max(live, fits(max(0, mem_available) + live * idle_bytes(live)))}
     for name, each in _PER_SANDBOX.items():
         value = read(name)
         if value is not None:
