@@ -63,9 +63,9 @@ def test_a_low_sysctl_binds_and_is_named() -> None:
     assert cap == limits.Capacity(500, "user.max_net_namespaces")
 
 
-def test_pid_max_binds_at_sixteen_tasks_a_sandbox() -> None:
+def test_pid_max_binds_at_four_tasks_an_idle_sandbox() -> None:
     cap = limits.capacity(64 * GIB, 0, reader(kernel__pid_max=32768), nofile=1 << 20)
-    assert cap == limits.Capacity(32768 // 16, "kernel.pid_max")
+    assert cap == limits.Capacity(32768 // 4, "kernel.pid_max")
 
 
 def test_the_open_files_limit_binds() -> None:

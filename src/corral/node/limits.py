@@ -103,9 +103,11 @@ SYSCTLS: tuple[tuple[str, Need, str], ...] = (
 """(sysctl, what ``n`` sandboxes need of it, why)."""
 
 _PER_SANDBOX: dict[str, int] = {
-    # the limits that scale with the count: how many of each one sandbox takes
-    "kernel.pid_max": 16,
-    "kernel.threads-max": 16,
+    # the limits that scale with the count: how many of each one IDLE sandbox takes (the
+    # estimate is of idle ones; SYSCTLS asks headroom for work). Tasks: 2 measured (init
+    # and its child), 4 with room for an exec.
+    "kernel.pid_max": 4,
+    "kernel.threads-max": 4,
     "user.max_user_namespaces": 1,
     "user.max_mnt_namespaces": 1,
     "user.max_pid_namespaces": 1,
