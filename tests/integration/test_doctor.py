@@ -114,3 +114,38 @@ async def test_leftovers_of_a_stopped_node(images_ready: None) -> None:
     assert_no_leaks(STATE, RUN, SUBTREE)
     shutil.rmtree(STATE, ignore_errors=True)
     shutil.rmtree(RUN, ignore_errors=True)
+
+
+async def test_node_start_raises_its_open_files_and_reports_its_capacity() -> None:
+    """A node for 10,000 sandboxes keeps ~2 fds each: it raises its own RLIMIT_NOFILE (as
+    root, up to fs.nr_open) instead of failing with EMFILE near the shell's 20,000; its
+    status says how many idle sandboxes the host holds and what binds that."""
+    import resource
+
+    from corral.node import deadlines, limits
+
+    cfg = node_config(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE, max_sandboxes=10000)
+    node = await Node.open(cfg)
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert soft == hard  # raised to the hard limit at least
+        if _may_raise_hard():  # without CAP_SYS_RESOURCE (this host) the hard one stays
+            want = limits.FDS_PER_SANDBOX * 10000 + deadlines.RESERVED_FDS
+            assert soft >= min(want, limits.sysctl("fs.nr_open") or 0)
+        # What it cannot raise, it lives within: pidfds stop at the budget.
+        assert node.reaper.deaths.max_fds == deadlines.pidfd_budget(soft)
+        st = await node.node_status()
+        assert st.idle_capacity > 0 and st.idle_capacity_bound, st
+    finally:
+        await node.close()
+    assert_no_leaks(STATE, RUN, SUBTREE)
+    shutil.rmtree(STATE, ignore_errors=True)
+    shutil.rmtree(RUN, ignore_errors=True)
+
+
+def _may_raise_hard() -> bool:
+    """CAP_SYS_RESOURCE in the effective set (bit 24)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False

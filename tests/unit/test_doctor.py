@@ -178,7 +178,7 @@ def test_open_files_limit_scales_with_max_sandboxes(tmp_path: Path) -> None:
     root = fake_host(tmp_path / "root")
     checks = run_checks(config(tmp_path), root=root, probes=probes(nofile=lambda: 1024))
     c = by_name(checks)["open files limit"]
-    assert not c.ok and not c.fatal and "ulimit -n 16384" in c.fix
+    assert not c.ok and not c.fatal and "ulimit -n 10240" in c.fix  # 2 per sandbox + 2048
 
 
 def test_no_runtime_is_fatal(tmp_path: Path) -> None:

@@ -114,7 +114,9 @@ def test_doctor_reports_the_capacity_and_what_binds_it(tmp_path: Path) -> None:
 def test_open_files_check_uses_the_per_sandbox_figure(tmp_path: Path) -> None:
     root = fake_host(tmp_path / "root")
     checks = run_checks(config(tmp_path, max_sandboxes=100), root=root, probes=probes())
-    assert f">= {100 * limits.FDS_PER_SANDBOX} " in by_name(checks)["open files limit"].detail
+    assert (
+        f">= {100 * limits.FDS_PER_SANDBOX + 2048} " in by_name(checks)["open files limit"].detail
+    )
 
 
 def test_node_status_carries_the_estimate() -> None:
@@ -197,8 +199,8 @@ class FakeRlimit:
 @pytest.mark.parametrize(
     ("euid", "soft", "hard", "want"),
     [
-        (0, 1024, 20000, (41024, 41024)),  # root: the hard limit too, to what 10,000 need
-        (0, 1024, 1 << 20, (41024, 1 << 20)),  # never lowers the hard limit
+        (0, 1024, 20000, (22048, 22048)),  # root: the hard limit too, to what 10,000 need
+        (0, 1024, 1 << 20, (22048, 1 << 20)),  # never lowers the hard limit
         (0, 50000, 60000, (50000, 60000)),  # nor the soft one
         (1000, 1024, 20000, (20000, 20000)),  # not root: up to the hard limit, then a warning
     ],
@@ -219,4 +221,4 @@ def test_raise_nofile_stops_at_nr_open(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(limits.resource, "getrlimit", lim.get)
     monkeypatch.setattr(limits.resource, "setrlimit", lim.set)
     monkeypatch.setattr(limits.os, "geteuid", lambda: 0)
-    assert limits.raise_nofile(10000, reader(fs__nr_open=30000)) == 30000
+    assert limits.raise_nofile(20000, reader(fs__nr_open=30000)) == 30000

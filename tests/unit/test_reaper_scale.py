@@ -182,3 +182,37 @@ def test_masked_directories_become_binds_of_one_empty_dir(tmp_path: Path) -> Non
         limits=Limits(),
     )
     assert plain["linux"]["maskedPaths"] == list(MASKED_PATHS)
+
+
+def test_pidfds_stop_at_the_budget_and_the_ring_covers_the_rest() -> None:
+    """Short of fds, a sandbox is watched by the sample only: the node never spends the
+    fds a create needs on pidfds (10,000 sandboxes on a 20,000-fd node)."""
+    me = subprocess.Popen(["sleep", "60"])
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+
+        async def run() -> None:
+            w = DeathWatch(max_fds=1)
+            try:
+                w.watch("a", me.pid)
+                w.watch("b", other.pid)
+                assert w.watched == 1
+                assert sorted(w.sample(2)) == ["a", "b"]  # both in the ring
+                w.forget("a")
+                w.watch("b", other.pid)  # a slot came free: a later watch takes it
+                assert w.watched == 1
+            finally:
+                w.close()
+
+        asyncio.run(run())
+    finally:
+        for p in (me, other):
+            p.kill()
+            p.wait()
+
+
+def test_pidfd_budget_leaves_room_for_listener_fds_and_the_node() -> None:
+    from corral.node.deadlines import RESERVED_FDS, pidfd_budget
+
+    assert pidfd_budget(20000) == (20000 - RESERVED_FDS) // 2
+    assert pidfd_budget(100) == 0

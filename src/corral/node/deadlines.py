@@ -11,6 +11,10 @@ TTL and idle clock. Both are O(live) per pass. Here:
   cannot be watched (no pid, out of fds, a backend whose pid is not its life) is still
   covered by a bounded round-robin slice of ``alive()`` checks per pass
   (:meth:`DeathWatch.sample`), a safety net for deaths a pid does not show.
+  Pidfds are capped (:func:`pidfd_budget`): with one seccomp listener fd per sandbox as
+  well, 10,000 sandboxes would take every fd of a node whose RLIMIT_NOFILE it cannot
+  raise (20,000 here, without CAP_SYS_RESOURCE), and a create needs fds of its own.
+  Past the cap a sandbox's death is found by the sample instead (slower, not missed).
 * :class:`Deadlines` is a heap of the next moment each sandbox with a TTL, idle pause or
   idle timeout needs a look. A pass pops only what is due; activity does not touch the
   heap: a popped idle deadline is recomputed from the last activity and pushed again.
@@ -23,10 +27,11 @@ import asyncio
 import heapq
 import logging
 import os
+import resource
 
 from corral.spec import SandboxInfo
 
-__all__ = ["DeathWatch", "Deadlines", "next_deadline", "SAMPLE"]
+__all__ = ["DeathWatch", "Deadlines", "next_deadline", "pidfd_budget", "SAMPLE"]
 
 log = logging.getLogger("corral.node")
 
@@ -35,11 +40,29 @@ SAMPLE = 32
 pass a second, every sandbox of a 3,200 node is looked at every 100 s."""
 
 
-class DeathWatch:
-    """Pidfds of the sandboxes' main processes, read by the event loop."""
+RESERVED_FDS = 2048
+"""Open files the node keeps for everything but pidfds: the other fd each sandbox holds
+(its seccomp listener) is counted apart; this is the state database, sockets, clients,
+and what a create, an exec or an image build opens while it runs."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+
+def pidfd_budget(nofile: int | None = None) -> int:
+    """How many pidfds the node may hold: half of what RLIMIT_NOFILE leaves beyond
+    :data:`RESERVED_FDS` (the other half is each sandbox's seccomp listener fd)."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(0, (nofile - RESERVED_FDS) // 2)
+
+
+class DeathWatch:
+    """Pidfds of the sandboxes' main processes, read by the event loop; at most
+    ``max_fds`` (default :func:`pidfd_budget` at construction)."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop | None = None, max_fds: int | None = None
+    ) -> None:
         self._loop = loop
+        self.max_fds = pidfd_budget() if max_fds is None else max_fds
         self._fds: dict[str, int] = {}
         self._dead: set[str] = set()
         self._ring: dict[str, None] = {}  # insertion-ordered: the round-robin order
@@ -49,6 +72,8 @@ class DeathWatch:
         self._ring.setdefault(sandbox_id, None)
         if not pid or sandbox_id in self._fds or pid == os.getpid():
             return
+        if len(self._fds) >= self.max_fds:
+            return  # out of budget: the ring covers it
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:

@@ -388,14 +388,14 @@ def _sysctls(x: _Ctx) -> list[Check]:
                 f"sysctl -w {name}={want} (persist in /etc/sysctl.d/), or lower max_sandboxes",
             )
         )
-    nofile, want = x.probes.nofile(), limits.FDS_PER_SANDBOX * n
+    nofile, want = x.probes.nofile(), limits.nofile_wanted(n)
     out.append(
         _c(
             "open files limit",
             nofile >= want,
             f"RLIMIT_NOFILE {nofile} (>= {want} for max_sandboxes {n}: the node keeps "
-            f"~{limits.FDS_PER_SANDBOX} fds "
-            "per sandbox, e.g. its control connection and seccomp fd)",
+            f"{limits.FDS_PER_SANDBOX} fds per sandbox, its seccomp listener and a pidfd; "
+            "short of fds it gives up pidfds and finds deaths more slowly)",
             f"ulimit -n {want} before starting the node (LimitNOFILE= in a systemd unit)",
         )
     )

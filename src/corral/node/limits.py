@@ -7,7 +7,7 @@ sysctl is the operator's decision. :func:`capacity` turns them and the memory fi
 limit that binds) and in the doctor's output.
 
 One limit the node does change is its own: RLIMIT_NOFILE (:func:`raise_nofile`). It keeps
-a pidfd and a seccomp listener fd per sandbox, so 10,000 sandboxes need ~20,000 open
+a pidfd and a seccomp listener fd per sandbox, so 10,000 sandboxes want ~22,000 open
 files, above the soft limit most shells hand down; raising a process's own limit up to
 ``fs.nr_open`` is what ``LimitNOFILE=`` in a unit would do, and touches nothing host-wide.
 
@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.node.deadlines import RESERVED_FDS
+
 __all__ = [
     "SYSCTLS",
     "BASE_BYTES",
@@ -46,6 +48,7 @@ __all__ = [
     "short_of",
     "warn_short",
     "raise_nofile",
+    "nofile_wanted",
 ]
 
 MIB = 1 << 20
@@ -114,10 +117,10 @@ _PER_SANDBOX: dict[str, int] = {
     "user.max_net_namespaces": 1,
     "fs.file-max": 64,
 }
-FDS_PER_SANDBOX = 4
-"""The node's own open files per sandbox: control connection, seccomp fd, pidfd, spare."""
-_NODE_FDS = 1024
-"""Headroom for the node itself: its state database, sockets, clients, image builds."""
+FDS_PER_SANDBOX = 2
+"""The node's own open files per sandbox: its seccomp listener and a pidfd (the pidfd is
+given up when short: corral.node.deadlines.pidfd_budget)."""
+_NODE_FDS = RESERVED_FDS
 
 
 def sysctl(name: str, root: Path = Path("/")) -> int | None:
@@ -180,12 +183,17 @@ def warn_short(n: int, read: Callable[[str], int | None] = sysctl) -> None:
         log.warning("density limit: %s; `corral doctor` lists them all", short)
 
 
+def nofile_wanted(n: int) -> int:
+    """The RLIMIT_NOFILE ``n`` sandboxes want: their fds in the node and its own."""
+    return FDS_PER_SANDBOX * n + _NODE_FDS
+
+
 def raise_nofile(n: int, read: Callable[[str], int | None] = sysctl) -> int:
     """Raise the node's own RLIMIT_NOFILE to what ``n`` sandboxes need (plus headroom for
     the node itself): the soft limit up to the hard one, and as root the hard one too, up to
     ``fs.nr_open``. Never lowers either. Returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = FDS_PER_SANDBOX * n + _NODE_FDS
+    want = nofile_wanted(n)
     if want > hard and os.geteuid() == 0:
         top = read("fs.nr_open") or hard
         new_hard = max(hard, min(want, top))
