@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TAG
 from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
-from tests.integration.nethosts import PKGS_IP, TestHosts, network_config
+from tests.integration.nethosts import PKGS_IP, TestHosts, guest_http, network_config
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
@@ -79,6 +79,20 @@ def _spec(**kw):  # type: ignore[no-untyped-def]
     )
 
 
+async def test_node_status_lists_the_backends_and_accelerator(vmnode):  # type: ignore[no-untyped-def]
+    """``corral node status``'s source: every engine of the node, the microVM one with its
+    accelerator (kvm when a probe boot worked, else tcg) and how it gives layers."""
+    from corral.cli.node import _backend_row
+
+    st = await vmnode.node_status()
+    by_kind = {b.kind: b for b in st.backends}
+    assert set(by_kind) == {"container", "microvm"}, st.backends
+    vm = by_kind["microvm"]
+    assert vm.ok and vm.accel in ("kvm", "tcg") and vm.detail["layers"], vm
+    key, value = _backend_row(vm, st.default_backend)
+    assert key == "backend microvm" and value.startswith(f"ok (accel={vm.accel}, "), value
+
+
 async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def]
     status = vmnode.backends.get("microvm").status()
     assert status.ok and status.accel in ("kvm", "tcg")
@@ -137,29 +151,6 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
     assert not d.exists()
 
 
-# busybox-static's wget crashes in static glibc's resolver: nslookup (its own DNS
-# client) for the address, nc for the request.
-_HTTP = r"""
-B=/.corral/busybox
-case "$1" in
-  *[!0-9.]*) ip=$($B nslookup "$1" 2>/dev/null | $B awk '/^Address: /{print $2}' | $B tail -n1);;
-  *) ip=$1;;
-esac
-[ -n "$ip" ] || { echo "no address for $1"; exit 4; }
-printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" "$1" | $B nc -w 3 "$ip" 80
-"""
-
-
-async def _http(node, sid: str, host: str, path: str = "/") -> tuple[bool, str]:  # type: ignore[no-untyped-def]
-    """GET http://host/path from inside the guest: (a response came, what came)."""
-    from corral.spec import ExecRequest
-
-    cmd = ["/.corral/busybox", "sh", "-c", _HTTP, "http", host, path]
-    r = await node.exec(sid, ExecRequest(cmd=cmd, timeout=30))
-    out = (r.stdout + r.stderr).decode(errors="replace")
-    return r.exit_code == 0 and out.startswith("HTTP/"), out
-
-
 async def _events(node, sid: str, kind: str, wait: float = 6.0):  # type: ignore[no-untyped-def]
     import asyncio
     import time
@@ -185,20 +176,20 @@ async def test_network_default_none_then_allowlist_live(vmnode):  # type: ignore
         assert info.address is None
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/sys/class/net/eth0/address"]))
         assert r.exit_code == 0 and r.stdout.startswith(b"52:54:"), r
-        ok, out = await _http(vmnode, sid, PKGS_IP, "/simple/")
+        ok, out = await guest_http(vmnode, sid, PKGS_IP, "/simple/")
         assert not ok, out
         got = await vmnode.network_update(sid, allow=["pkgs"], deny=["npm"])
         assert got.address
         assert Path(f"/sys/class/net/{veth_name(sid)}").exists()
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/etc/resolv.conf"]))
         assert vmnode.network.gateway in r.stdout.decode(), r
-        ok, out = await _http(vmnode, sid, "pkgs.test", "/simple/")
+        ok, out = await guest_http(vmnode, sid, "pkgs.test", "/simple/")
         assert ok and "tinypkg" in out, out
-        ok, out = await _http(vmnode, sid, "npm.test")
+        ok, out = await guest_http(vmnode, sid, "npm.test")
         assert not ok, out
         assert await _events(vmnode, sid, "dns_denied"), "no dns_denied event for npm.test"
         # an address outside the policy, without DNS: dropped by nft, as for a container
-        ok, out = await _http(vmnode, sid, "10.250.2.2")
+        ok, out = await guest_http(vmnode, sid, "10.250.2.2")
         assert not ok, out
         assert await _events(vmnode, sid, "net_denied"), "no net_denied event"
     finally:
@@ -321,6 +312,37 @@ async def test_fork_carries_processes_and_memory(vmnode):  # type: ignore[no-unt
         for k in kids:
             await vmnode.sandbox_destroy(k)
         await vmnode.sandbox_destroy(sid)
+    assert not _vmm_procs()
+
+
+async def test_shell_session_in_a_microvm(vmnode):  # type: ignore[no-untyped-def]
+    """sb.shell() on a microVM: the guest's corral-init (the same C program) runs the
+    session's shell with a stdin pipe and lets the node attach to it; state is kept
+    between commands, a command's stdin goes through a file in the guest, a timeout
+    interrupts the command and keeps the session, close ends the shell."""
+    import corral
+
+    async with corral.AsyncClient(ops=vmnode, own_ops=False) as c:
+        sb = await c.sandboxes.create(
+            image="test/busybox",
+            backend="microvm",
+            limits=corral.Limits(cpus=1, memory="256MiB", disk="256MiB"),
+            qos="latency",
+        )
+        try:
+            sh = await sb.shell(cwd="/tmp")
+            await sh.run("x=1; f() { echo fn; }; cd /")
+            r = await sh.run("echo $x; f; pwd; printf tail")
+            assert (r.stdout, r.exit_code) == (b"1\nfn\n/\ntail", 0), r
+            r = await sh.run("sleep 300", timeout=1)
+            assert (r.reason, r.signal) == ("timeout", 2), r
+            r = await sh.run("echo $x; cat", stdin=b"in")
+            assert (r.stdout, r.exit_code) == (b"1\nin", 0), r
+            await sh.close()
+            ps = await sb.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+            assert b"corral-shell" not in ps.stdout, ps
+        finally:
+            await sb.destroy()
     assert not _vmm_procs()
 
 
