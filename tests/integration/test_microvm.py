@@ -100,6 +100,7 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
 
     info = await vmnode.sandbox_create(_spec())
     try:
+        assert info.accel == status.accel and info.backend == "microvm"
         d = vmnode.backends.get("microvm").dir(info.id)
         r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/proc/sys/kernel/osrelease"]))
         assert r.exit_code == 0, r
@@ -367,6 +368,14 @@ async def test_stream_pty_shell_and_limits_in_a_microvm(vmnode):  # type: ignore
             with pytest.raises(corral.InvalidRequest, match="not yet for microvm"):
                 await sb.snapshot()
             assert (await sb.exec(["true"])).exit_code == 0
+
+            # the same image's files in a container of the same node
+            same = ["sh", "-c", "ls -l /bin | md5sum; md5sum $(readlink -f /bin/sh) 2>&1"]
+            async with await c.sandboxes.create(image="test/busybox") as ctr:
+                assert ctr.info.accel is None and ctr.info.backend == "container"
+                in_ctr = (await ctr.exec(same)).stdout
+            in_vm = (await sb.exec(same)).stdout
+            assert in_vm == in_ctr and in_vm.count(b"\n") == 2, (in_vm, in_ctr)
 
             r = await sb.exec(["sh", "-c", "nproc; grep MemTotal /proc/meminfo"])
             cpus, mem = r.stdout.decode().splitlines()
