@@ -167,6 +167,22 @@ async def test_desktop_on_a_container_is_refused_by_the_registry() -> None:
         )
 
 
+def test_desktop_on_a_microvm_and_a_backend_the_node_lacks_are_refused() -> None:
+    from corral.node.registry import Backends
+
+    class _C:
+        kind = "container"
+
+    class _M:
+        kind = "microvm"
+
+    reg = Backends([_C(), _M()], "container")  # type: ignore[list-item]
+    with pytest.raises(InvalidRequest, match="only the 'vm' backend .* backend is 'microvm'"):
+        reg.for_spec(SandboxSpec(image="x", backend="microvm", desktop=Desktop()))
+    with pytest.raises(InvalidRequest, match="no 'vm' backend \\(it has: container, microvm\\)"):
+        reg.for_spec(SandboxSpec(image="x", backend="vm"))
+
+
 async def test_fake_node_refuses_desktops() -> None:
     from corral.testing import FakeNode
 
