@@ -47,7 +47,7 @@ def hosts():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 async def vmnode(images_ready, hosts):  # type: ignore[no-untyped-def]
     # the test hosts' subnet is the network tests' own: this module's differs
-    async with open_node(_cfg(network=network_config(subnet="10.212.8.0/22"))) as n:
+    async with open_node(_cfg(network=network_config(subnet="10.212.16.0/22"))) as n:
         yield n
     assert_no_leaks(STATE, RUN, SUBTREE)
 
@@ -113,6 +113,8 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
         await vmnode.file_write(info.id, "/root/f.txt", b"hello\x00bytes")
         assert await vmnode.file_read(info.id, "/root/f.txt") == b"hello\x00bytes"
         assert await vmnode.file_read(info.id, "/root/f.txt", 5, 3) == b"\x00by"
+        await vmnode.file_write(info.id, "/new/dir/g", b"made")  # parents made, as containers
+        assert await vmnode.file_read(info.id, "/new/dir/g") == b"made"
         st = await vmnode.file_stat(info.id, "/root/f.txt")
         assert st.type == "file" and st.size == 11
         names = [s.name for s in await vmnode.file_list(info.id, "/root")]
