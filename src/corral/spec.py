@@ -411,6 +411,8 @@ class SandboxInfo(_Model):
     last_active_at: float
     backend: str = "container"
     """The node's backend that runs it (its OCI runtime, if any, is in ``NodeStatus``)."""
+    accel: str | None = None
+    """The VM accelerator its backend uses (``kvm`` or ``tcg``); None for containers."""
     node_id: str = ""
     """The node that runs it (also the last part of ``id``)."""
     pid: int | None = None

@@ -185,3 +185,27 @@ def network_config(**kw: object):  # type: ignore[no-untyped-def]
     )
     base.update(kw)
     return NetworkConfig(**base)  # type: ignore[arg-type]
+
+
+# busybox-static's wget crashes in static glibc's resolver: nslookup (its own DNS
+# client) for the address, nc for the request.
+_HTTP = r"""
+B=/.corral/busybox
+case "$1" in
+  *[!0-9.]*) ip=$($B nslookup "$1" 2>/dev/null | $B awk '/^Address: /{print $2}' | $B tail -n1);;
+  *) ip=$1;;
+esac
+[ -n "$ip" ] || { echo "no address for $1"; exit 4; }
+printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" "$1" | $B nc -w 3 "$ip" 80
+"""
+
+
+async def guest_http(node, sid: str, host: str, path: str = "/") -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+    """GET http://host/path from inside a VM guest (microVM or desktop VM), with the
+    busybox corral puts at /.corral/busybox: (a response came, what came)."""
+    from corral.spec import ExecRequest
+
+    cmd = ["/.corral/busybox", "sh", "-c", _HTTP, "http", host, path]
+    r = await node.exec(sid, ExecRequest(cmd=cmd, timeout=30))
+    out = (r.stdout + r.stderr).decode(errors="replace")
+    return r.exit_code == 0 and out.startswith("HTTP/"), out

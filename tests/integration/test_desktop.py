@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import TAG, TEST_STORE
 from tests.integration import pngread
 from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
+from tests.integration.nethosts import PKGS_IP, TestHosts, guest_http, network_config
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
@@ -66,8 +67,15 @@ def _png(data: bytes) -> pngread.Image:
 
 
 @pytest.fixture(scope="module")
-async def desk(images_ready):  # type: ignore[no-untyped-def]
-    """(node, sandbox info, seconds from create to the first screenshot)."""
+def hosts():  # type: ignore[no-untyped-def]
+    with TestHosts() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+async def desk(images_ready, hosts):  # type: ignore[no-untyped-def]
+    """(node, sandbox info, seconds from create to the first screenshot). The node has
+    the network tests' permissions (its subnet differs from theirs and the microVMs')."""
     from corral.backends.config import ContainerConfig, VMConfig
     from corral.spec import Desktop, Limits, SandboxSpec
 
@@ -77,6 +85,7 @@ async def desk(images_ready):  # type: ignore[no-untyped-def]
         run_dir=RUN,
         cgroup_subtree=SUBTREE,
         backends=[ContainerConfig(), VMConfig(kernel_dir=KERNEL)],
+        network=network_config(subnet="10.212.12.0/22"),
     )
     async with open_node(cfg) as n:
         spec = SandboxSpec(
@@ -126,6 +135,45 @@ async def test_screenshot_is_a_png_of_the_desktop(desk):  # type: ignore[no-unty
     # the session's background colour covers much of the screen: X is drawing, not the
     # kernel's text console
     assert colors[(0x2E, 0x5A, 0x88)] > W * H // 10, colors.most_common(5)
+
+
+@pytest.mark.heavy
+async def test_network_default_none_then_allowlist(desk):  # type: ignore[no-untyped-def]
+    """The desktop VM has the microVM's network: a virtio-net NIC on a tap in the VMM's
+    netns. No policy: no way out; a named allowlist granted live reaches its ``.test``
+    host through the node's resolver, another name is denied."""
+    from corral.spec import ExecRequest
+
+    n, info, _ = desk
+    assert info.address is None
+    r = await n.exec(info.id, ExecRequest(cmd=["cat", "/sys/class/net/eth0/address"]))
+    assert r.exit_code == 0 and r.stdout.startswith(b"52:54:"), r
+    ok, out = await guest_http(n, info.id, PKGS_IP, "/simple/")
+    assert not ok, out
+    got = await n.network_update(info.id, allow=["pkgs"])
+    assert got.address
+    ok, out = await guest_http(n, info.id, "pkgs.test", "/simple/")
+    assert ok and "tinypkg" in out, out
+    ok, out = await guest_http(n, info.id, "npm.test")
+    assert not ok, out
+
+
+@pytest.mark.heavy
+async def test_pause_with_memory_snapshot_keeps_the_desktop(desk):  # type: ignore[no-untyped-def]
+    """A desktop VM saved to a memory snapshot (the microVM engine's path, on q35 with a
+    display) and restored: the VMM is gone meanwhile, and after resume the screen is the
+    same size and the session still takes typed commands."""
+    from corral.spec import DesktopInput
+
+    n, info, _ = desk
+    paused = await n.sandbox_pause(info.id, memory_snapshot=True)
+    assert paused.state == "paused" and not _vmm_procs()
+    got = await n.sandbox_resume(info.id)
+    assert got.state == "running" and len(_vmm_procs()) == 1
+    img = _png(await n.desktop_screenshot(info.id))
+    assert (img.width, img.height) == (W, H) and len(img.colors()) > 2
+    await n.desktop_input(info.id, DesktopInput(action="type", text="echo back > /tmp/back\n"))
+    assert await _wait_file(n, info.id, "/tmp/back") == b"back\n"
 
 
 async def _screen_changes(n, sid: str, before: bytes, timeout: float = 60.0) -> bytes:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TAG
 from tests.integration.conftest import assert_no_leaks, node_config, open_node, run_bench
-from tests.integration.nethosts import PKGS_IP, TestHosts, network_config
+from tests.integration.nethosts import PKGS_IP, TestHosts, guest_http, network_config
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU"),
@@ -47,7 +47,7 @@ def hosts():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 async def vmnode(images_ready, hosts):  # type: ignore[no-untyped-def]
     # the test hosts' subnet is the network tests' own: this module's differs
-    async with open_node(_cfg(network=network_config(subnet="10.212.8.0/22"))) as n:
+    async with open_node(_cfg(network=network_config(subnet="10.212.16.0/22"))) as n:
         yield n
     assert_no_leaks(STATE, RUN, SUBTREE)
 
@@ -79,6 +79,20 @@ def _spec(**kw):  # type: ignore[no-untyped-def]
     )
 
 
+async def test_node_status_lists_the_backends_and_accelerator(vmnode):  # type: ignore[no-untyped-def]
+    """``corral node status``'s source: every engine of the node, the microVM one with its
+    accelerator (kvm when a probe boot worked, else tcg) and how it gives layers."""
+    from corral.cli.node import _backend_row
+
+    st = await vmnode.node_status()
+    by_kind = {b.kind: b for b in st.backends}
+    assert set(by_kind) == {"container", "microvm"}, st.backends
+    vm = by_kind["microvm"]
+    assert vm.ok and vm.accel in ("kvm", "tcg") and vm.detail["layers"], vm
+    key, value = _backend_row(vm, st.default_backend)
+    assert key == "backend microvm" and value.startswith(f"ok (accel={vm.accel}, "), value
+
+
 async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def]
     status = vmnode.backends.get("microvm").status()
     assert status.ok and status.accel in ("kvm", "tcg")
@@ -86,6 +100,7 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
 
     info = await vmnode.sandbox_create(_spec())
     try:
+        assert info.accel == status.accel and info.backend == "microvm"
         d = vmnode.backends.get("microvm").dir(info.id)
         r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/proc/sys/kernel/osrelease"]))
         assert r.exit_code == 0, r
@@ -98,6 +113,8 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
         await vmnode.file_write(info.id, "/root/f.txt", b"hello\x00bytes")
         assert await vmnode.file_read(info.id, "/root/f.txt") == b"hello\x00bytes"
         assert await vmnode.file_read(info.id, "/root/f.txt", 5, 3) == b"\x00by"
+        await vmnode.file_write(info.id, "/new/dir/g", b"made")  # parents made, as containers
+        assert await vmnode.file_read(info.id, "/new/dir/g") == b"made"
         st = await vmnode.file_stat(info.id, "/root/f.txt")
         assert st.type == "file" and st.size == 11
         names = [s.name for s in await vmnode.file_list(info.id, "/root")]
@@ -129,35 +146,14 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
         assert os.readlink(f"/proc/{info.pid}/ns/net") == os.readlink(f"/proc/{pid}/ns/net")
         assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
         assert os.readlink(f"/proc/{pid}/root") == str(d)
-        uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
+        status = Path(f"/proc/{pid}/status").read_text()
+        uids = status.split("Uid:")[1].split()[:4]
         assert "0" not in uids, uids
+        assert "\nSeccomp:\t2\n" in status  # QEMU's -sandbox filter is on
     finally:
         await vmnode.sandbox_destroy(info.id)
     assert not _vmm_procs()
     assert not d.exists()
-
-
-# busybox-static's wget crashes in static glibc's resolver: nslookup (its own DNS
-# client) for the address, nc for the request.
-_HTTP = r"""
-B=/.corral/busybox
-case "$1" in
-  *[!0-9.]*) ip=$($B nslookup "$1" 2>/dev/null | $B awk '/^Address: /{print $2}' | $B tail -n1);;
-  *) ip=$1;;
-esac
-[ -n "$ip" ] || { echo "no address for $1"; exit 4; }
-printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" "$1" | $B nc -w 3 "$ip" 80
-"""
-
-
-async def _http(node, sid: str, host: str, path: str = "/") -> tuple[bool, str]:  # type: ignore[no-untyped-def]
-    """GET http://host/path from inside the guest: (a response came, what came)."""
-    from corral.spec import ExecRequest
-
-    cmd = ["/.corral/busybox", "sh", "-c", _HTTP, "http", host, path]
-    r = await node.exec(sid, ExecRequest(cmd=cmd, timeout=30))
-    out = (r.stdout + r.stderr).decode(errors="replace")
-    return r.exit_code == 0 and out.startswith("HTTP/"), out
 
 
 async def _events(node, sid: str, kind: str, wait: float = 6.0):  # type: ignore[no-untyped-def]
@@ -185,20 +181,20 @@ async def test_network_default_none_then_allowlist_live(vmnode):  # type: ignore
         assert info.address is None
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/sys/class/net/eth0/address"]))
         assert r.exit_code == 0 and r.stdout.startswith(b"52:54:"), r
-        ok, out = await _http(vmnode, sid, PKGS_IP, "/simple/")
+        ok, out = await guest_http(vmnode, sid, PKGS_IP, "/simple/")
         assert not ok, out
         got = await vmnode.network_update(sid, allow=["pkgs"], deny=["npm"])
         assert got.address
         assert Path(f"/sys/class/net/{veth_name(sid)}").exists()
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/etc/resolv.conf"]))
         assert vmnode.network.gateway in r.stdout.decode(), r
-        ok, out = await _http(vmnode, sid, "pkgs.test", "/simple/")
+        ok, out = await guest_http(vmnode, sid, "pkgs.test", "/simple/")
         assert ok and "tinypkg" in out, out
-        ok, out = await _http(vmnode, sid, "npm.test")
+        ok, out = await guest_http(vmnode, sid, "npm.test")
         assert not ok, out
         assert await _events(vmnode, sid, "dns_denied"), "no dns_denied event for npm.test"
         # an address outside the policy, without DNS: dropped by nft, as for a container
-        ok, out = await _http(vmnode, sid, "10.250.2.2")
+        ok, out = await guest_http(vmnode, sid, "10.250.2.2")
         assert not ok, out
         assert await _events(vmnode, sid, "net_denied"), "no net_denied event"
     finally:
@@ -321,6 +317,75 @@ async def test_fork_carries_processes_and_memory(vmnode):  # type: ignore[no-unt
         for k in kids:
             await vmnode.sandbox_destroy(k)
         await vmnode.sandbox_destroy(sid)
+    assert not _vmm_procs()
+
+
+async def test_stream_pty_shell_and_limits_in_a_microvm(vmnode):  # type: ignore[no-untyped-def]
+    """The SDK's other ways in, on a microVM: exec_stream, a pty, and sb.shell() (the
+    guest's corral-init, the same C program, runs the session's shell with a stdin pipe
+    and lets the node attach to it; state kept between commands, a command's stdin goes
+    through a file in the guest, a timeout interrupts the command and keeps the session,
+    close ends the shell). The limits hold inside the guest: its cpus, its memory, and
+    its disk (the writable disk is the disk limit: a bigger write is ENOSPC)."""
+    import asyncio
+
+    import corral
+
+    async with corral.AsyncClient(ops=vmnode, own_ops=False) as c:
+        sb = await c.sandboxes.create(
+            image="test/busybox",
+            backend="microvm",
+            limits=corral.Limits(cpus=1, memory="256MiB", disk="64MiB"),
+            qos="latency",
+        )
+        try:
+            chunks = []
+            async with sb.exec_stream(["sh", "-c", "echo a; echo b >&2; echo c"]) as st:
+                async for ch in st:
+                    chunks.append((ch.stream, ch.data))
+            assert b"".join(d for s, d in chunks if s == "stdout") == b"a\nc\n", chunks
+            assert st.result.exit_code == 0
+            async with await sb.pty(["/bin/sh"]) as t:
+                await t.write(b"tty; echo $((6*7)); exit 3\n")
+                out = bytearray()
+                async with asyncio.timeout(60):
+                    async for d in t:
+                        out += d
+            assert b"/dev/pts/" in out and b"42" in out, bytes(out)
+            assert t.result is not None and t.result.exit_code == 3, t.result
+
+            sh = await sb.shell(cwd="/tmp")
+            await sh.run("x=1; f() { echo fn; }; cd /")
+            r = await sh.run("echo $x; f; pwd; printf tail")
+            assert (r.stdout, r.exit_code) == (b"1\nfn\n/\ntail", 0), r
+            r = await sh.run("sleep 300", timeout=1)
+            assert (r.reason, r.signal) == ("timeout", 2), r
+            r = await sh.run("echo $x; cat", stdin=b"in")
+            assert (r.stdout, r.exit_code) == (b"1\nin", 0), r
+            await sh.close()
+            ps = await sb.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+            assert b"corral-shell" not in ps.stdout, ps
+
+            # snapshot to a store layer is not there yet for microVMs: a clear refusal
+            with pytest.raises(corral.InvalidRequest, match="not yet for microvm"):
+                await sb.snapshot()
+            assert (await sb.exec(["true"])).exit_code == 0
+
+            # the same image's files in a container of the same node
+            same = ["sh", "-c", "ls -l /bin | md5sum; md5sum $(readlink -f /bin/sh) 2>&1"]
+            async with await c.sandboxes.create(image="test/busybox") as ctr:
+                assert ctr.info.accel is None and ctr.info.backend == "container"
+                in_ctr = (await ctr.exec(same)).stdout
+            in_vm = (await sb.exec(same)).stdout
+            assert in_vm == in_ctr and in_vm.count(b"\n") == 2, (in_vm, in_ctr)
+
+            r = await sb.exec(["sh", "-c", "nproc; grep MemTotal /proc/meminfo"])
+            cpus, mem = r.stdout.decode().splitlines()
+            assert cpus == "1" and int(mem.split()[1]) <= 256 * 1024, r.stdout
+            r = await sb.exec(["sh", "-c", "dd if=/dev/zero of=/root/big bs=1M count=100"])
+            assert r.exit_code != 0 and b"No space left" in r.stderr, r
+        finally:
+            await sb.destroy()
     assert not _vmm_procs()
 
 

@@ -109,6 +109,42 @@ def test_vm_argv_has_display_input_qmp_and_the_jail(tmp_path: Path) -> None:
     assert argv[argv.index("-runas") + 1] == "7:7"
     assert joined.count("virtio-blk-pci") == 3
     assert machine.vgamem_mb(3840, 2160) == 64  # 2 frames of 31.6 MiB
+    assert "id=rw,file=disk.img,format=raw" in joined  # relative: reopened in the chroot
+    assert "-netdev" not in argv  # no MAC, no NIC
+
+
+def test_vm_argv_nic_and_the_guest_driver_for_it(tmp_path: Path) -> None:
+    """With a MAC the desktop VM gets the microVM's NIC (the tap in the VMM's netns) as
+    virtio-net-pci, and its initramfs loads the driver (the generic kernel has it as a
+    module: without it the guest has no eth0)."""
+    files = VMFiles(
+        kernel=Path("/k"),
+        initrd=Path("/i"),
+        layers=[],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "console.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+        mac="52:54:00:00:00:01",
+    )
+    argv = machine.vm_argv(
+        files,
+        qmp=tmp_path / "qmp.sock",
+        accel="tcg",
+        cpus=1,
+        memory_mib=1024,
+        runas="7:7",
+        width=1280,
+        height=800,
+        dns="10.0.0.1",
+        hostname="h",
+    )
+    joined = " ".join(argv)
+    assert "tap,id=n0,ifname=tap0,script=no,downscript=no" in argv
+    assert "virtio-net-pci,netdev=n0,mac=52:54:00:00:00:01" in argv
+    assert "corral.net=100.127.255.254/30,100.127.255.253" in joined
+    assert "corral.dns=10.0.0.1 corral.hostname=h" in joined
+    assert "virtio_net" in machine.MODULES
 
 
 def test_desktop_spec_limits() -> None:
@@ -129,6 +165,22 @@ async def test_desktop_on_a_container_is_refused_by_the_registry() -> None:
         Backends([_B()], "container").for_spec(  # type: ignore[list-item]
             SandboxSpec(image="x", desktop=Desktop())
         )
+
+
+def test_desktop_on_a_microvm_and_a_backend_the_node_lacks_are_refused() -> None:
+    from corral.node.registry import Backends
+
+    class _C:
+        kind = "container"
+
+    class _M:
+        kind = "microvm"
+
+    reg = Backends([_C(), _M()], "container")  # type: ignore[list-item]
+    with pytest.raises(InvalidRequest, match="only the 'vm' backend .* backend is 'microvm'"):
+        reg.for_spec(SandboxSpec(image="x", backend="microvm", desktop=Desktop()))
+    with pytest.raises(InvalidRequest, match="no 'vm' backend \\(it has: container, microvm\\)"):
+        reg.for_spec(SandboxSpec(image="x", backend="vm"))
 
 
 async def test_fake_node_refuses_desktops() -> None:

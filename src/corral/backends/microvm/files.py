@@ -109,7 +109,9 @@ class AgentFiles:
         if p.endswith("/"):
             raise InvalidRequest(f"{path!r}: a file path cannot end with '/'")
         op = ">>" if append else ">"
+        # missing parent dirs are made, as the container engine's files API does
         script = (
+            f'{BB} mkdir -p "$({BB} dirname "$1")" || exit 1; '
             f'[ -e "$1" ] || new=1; {BB} cat {op} "$1" || exit 1; '
             f'[ -n "$new" ] && {BB} chmod "$2" "$1"; exit 0'
         )

@@ -103,7 +103,12 @@ if [ -n "$dns" ]; then  # as containers: the node resolver, bound read-only
   $B mount --bind /newroot/.corral/resolv.conf /newroot/etc/resolv.conf \
     && $B mount -o remount,bind,ro /newroot/etc/resolv.conf
 fi
+# shell sessions keep a command's stdin in /.corral/shells (corral.backends.shell): a dir
+# on the writable disk beside the upper dir (the disk quota; never in a snapshot)
+$B mkdir -p /rw/shells /newroot/.corral/shells
+$B chmod 0700 /rw/shells
 $B mount -o remount,ro,nosuid,nodev /newroot/.corral
+$B mount --bind /rw/shells /newroot/.corral/shells || fail "shells dir"
 port=""
 for p in /sys/class/virtio-ports/*; do
   [ "$($B cat "$p/name" 2>/dev/null)" = corral.ctl ] && port="/dev/${p##*/}"

@@ -44,7 +44,10 @@ class Qmp:
 
     def _read(self) -> dict[str, Any]:
         while b"\n" not in self._buf:
-            chunk = self.sock.recv(65536)
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError as e:  # a reset when QEMU exits mid-command (a failed restore)
+                raise SandboxError(f"QMP {self.path}: {e}") from None
             if not chunk:
                 raise SandboxError(f"QMP {self.path}: QEMU closed the connection")
             self._buf += chunk
@@ -55,10 +58,13 @@ class Qmp:
     def cmd(self, name: str, fds: list[int] | None = None, **args: Any) -> Any:
         """Run one command; its ``return`` value. Events met meanwhile are skipped."""
         data = json.dumps({"execute": name, "arguments": args}).encode() + b"\n"
-        if fds:
-            socket.send_fds(self.sock, [data], fds)
-        else:
-            self.sock.sendall(data)
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.sendall(data)
+        except OSError as e:  # QEMU gone (EPIPE) or stuck (timeout)
+            raise SandboxError(f"QMP {name}: {e}") from None
         while True:
             msg = self._read()
             if "return" in msg:

@@ -28,6 +28,7 @@ MODULES = (
     "virtio_pci",
     "virtio_blk",
     "virtio_console",
+    "virtio_net",  # the NIC on the sandbox's network (a tap in the VMM's netns)
     "crc32c_generic",  # ext4 and erofs checksums (crypto API, not a modules.dep entry)
     "ext4",
     "erofs",
@@ -107,8 +108,10 @@ def vm_argv(
             "-device",
             f"virtio-blk-pci,drive=l{i},serial=l{i}",
         ]
+    # the writable disk by its name in the sandbox dir, as for a microVM: the end of a
+    # migration (memory-snapshot pause, fork) reopens it from inside QEMU's chroot
     argv += [
-        *("-drive", f"id=rw,file={files.disk},format=raw,if=none,discard=unmap"),
+        *("-drive", f"id=rw,file={files.disk.name},format=raw,if=none,discard=unmap"),
         *("-device", "virtio-blk-pci,drive=rw,serial=rw"),
         *("-chroot", str(files.disk.parent)),
     ]
