@@ -224,7 +224,9 @@ async def test_sandboxes_cannot_reach_each_other(net_node: Node) -> None:
         await net_node.spawn(
             b, ExecRequest(cmd=["python3", "-m", "http.server", "8000", "--bind", "0.0.0.0"])
         )
-        r = await net_node.exec(b, ExecRequest(cmd=["sleep", "1"]))
+        # ready once the kernel lists the socket as listening (port 8000 = 0x1F40, state 0A)
+        wait = "until grep -q ':1F40 00000000:0000 0A' /proc/net/tcp; do sleep 0.05; done"
+        r = await net_node.exec(b, ExecRequest(cmd=["sh", "-c", wait], timeout=120))
         assert r.ok
         assert await _connect(net_node, b, "127.0.0.1", 8000)  # it listens
         assert not await _connect(net_node, a, b_addr, 8000)

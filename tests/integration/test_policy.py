@@ -782,7 +782,7 @@ def test_ioctl_and_socket_filters_match_the_model(run: Run) -> None:
 def test_normal_work_succeeds(run: Run) -> None:
     script = r"""
 set -e
-mkdir /tmp/w$$ && cd /tmp/w$$  # the rootfs is shared by the runc and crun runs
+cd "$(mktemp -d /tmp/w.XXXXXX)"  # the rootfs is shared by the runc and crun runs (both pid 1)
 dd if=/dev/zero of=big bs=1M count=8 2>/dev/null
 test "$(wc -c < big)" = 8388608
 echo hello > f && cat f | tr a-z A-Z | grep -q HELLO
