@@ -50,7 +50,10 @@ async def test_fresh_node_default_image(images_ready: None) -> None:
     try:
         async with corral.AsyncClient(config=cfg) as c:
             for lang, code in CODE.items():
-                res = await c.fncall.run(language=lang, code=code, stdin="hi\n")
+                # generous wall time: a loaded CI host, and this only checks the output
+                res = await c.fncall.run(
+                    language=lang, code=code, stdin="hi\n", limits={"wall_time": 120}
+                )
                 assert res.status == "ok", (lang, res)
                 # The image carries a neutral hostname, not the build host's.
                 want = "sandbox hi\n\n" if lang == "python" else f"{lang} hi\n"

@@ -62,7 +62,7 @@ def _vmm_procs() -> list[int]:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue
-        if cmd.startswith(b"qemu-system") and b"corral-test" + TAG.encode() + b"-vm" in cmd:
+        if cmd.startswith(b"qemu-system") and b"corral-test" + TAG.encode() + b"-vm/" in cmd:
             out.append(int(p))
     return out
 
