@@ -168,7 +168,8 @@ class MooseStore:
         with open(self.workdir / f"{log}.log", "wb") as out:
             self._procs.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", self.host.ns, *argv],
+                    # joins the netns only: no copy of the host's mounts (NetnsHost.spawn)
+                    ["nsenter", f"--net=/run/netns/{self.host.ns}", *argv],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

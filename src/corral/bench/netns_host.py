@@ -69,9 +69,14 @@ class NetnsHost:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
-        """Run ``argv`` inside the namespace (output discarded); the caller ends it."""
+        """Run ``argv`` inside the namespace (output discarded); the caller ends it.
+
+        ``nsenter --net`` joins the network namespace only: ``ip netns exec`` would also
+        give the process a copy of the host's mount table, whose copies of sandbox and
+        scratch mounts made meanwhile would then keep their filesystems (and loop devices)
+        alive after the node unmounted them, until this process ends."""
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, *argv],
+            ["nsenter", f"--net=/run/netns/{self.ns}", *argv],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
