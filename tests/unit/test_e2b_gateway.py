@@ -186,3 +186,29 @@ async def test_an_unexpected_error_is_a_500_in_e2b_shape(
 
     monkeypatch.setattr(node, "sandbox_list", broken)
     _is_e2b_error(await c.get("/v2/sandboxes", headers=KEY), 500)
+
+
+async def test_template_table_from_the_node_config() -> None:
+    """``[node] e2b_templates`` (or ``serve --e2b-template``) is the table create_app's
+    gateway uses, over the built-in one."""
+    from types import SimpleNamespace
+
+    from corral.cli.node import _parse_templates
+    from corral.errors import InvalidRequest
+    from corral.integrations.e2b import e2b_config
+    from corral.node.config import NodeConfig
+
+    cfg = NodeConfig(e2b_templates=_parse_templates(["py=no/image", "base = demo/other"]))
+    node = FakeNode()
+    node.config = cfg  # type: ignore[attr-defined]
+    assert e2b_config(node).templates == {"base": "demo/other", "py": "no/image"}
+    assert e2b_config(SimpleNamespace()).templates == {"base": "base/debian"}
+    with pytest.raises(InvalidRequest, match="TEMPLATE=IMAGE"):
+        _parse_templates(["nosep"])
+    # the served app maps through the node's table (the 404 names the image it looked for;
+    # a create that succeeds needs a real exec to add E2B's account)
+    transport = httpx.ASGITransport(create_app(node, token=TOKEN))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node.test") as c:
+        r = await c.post("/v2/sandboxes", json={"templateID": "py"}, headers=KEY)
+        _is_e2b_error(r, 404)
+        assert "'no/image'" in r.json()["message"]

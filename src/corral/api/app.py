@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api._pty import pty_router
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
-from corral.integrations.e2b import E2BGateway
+from corral.integrations.e2b import E2BConfig, E2BGateway, e2b_config
 from corral.ops import NodeOps
 from corral.spec import (
     CallRequest,
@@ -315,8 +315,15 @@ class _CatchAll:
 
 
 # -------------------------------------------------------------- the app
-def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 30) -> FastAPI:
-    """Build the API app over ``ops``. ``token``: require ``Authorization: Bearer``."""
+def create_app(
+    ops: NodeOps,
+    *,
+    token: str | None = None,
+    max_body: int = 1 << 30,
+    e2b: E2BConfig | None = None,
+) -> FastAPI:
+    """Build the API app over ``ops``. ``token``: require ``Authorization: Bearer``.
+    ``e2b``: how the E2B API maps onto the node (default: :func:`e2b_config` of ``ops``)."""
     app = FastAPI(
         title="corral node API",
         version=_version(),
@@ -365,7 +372,13 @@ def create_app(ops: NodeOps, *, token: str | None = None, max_body: int = 1 << 3
     if token:
         app.add_middleware(_BearerAuth, token=token)
     # E2B's control plane and envd (their own auth: X-API-KEY, X-Access-Token); outermost
-    app.add_middleware(E2BGateway, ops=ops, token=token, max_upload=max_body)
+    app.add_middleware(
+        E2BGateway,
+        ops=ops,
+        token=token,
+        config=e2b or e2b_config(ops),
+        max_upload=max_body,
+    )
     return app
 
 

@@ -69,12 +69,24 @@ def serve(
     config_file: Annotated[
         Path | None, typer.Option("--config", help="node.toml ([node] table of NodeConfig).")
     ] = None,
+    e2b_template: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--e2b-template",
+            metavar="TEMPLATE=IMAGE",
+            help="E2B template id/alias served as this corral image (repeatable; over "
+            "node.toml's e2b_templates).",
+        ),
+    ] = None,
 ) -> None:
     """Open the node and serve the REST API until SIGTERM or SIGINT, then close the node."""
     g: Globals = ctx.obj
     if config_file is not None:
         g.config_file = config_file
     cfg = g.config()
+    if e2b_template:
+        templates = {**cfg.e2b_templates, **_parse_templates(e2b_template)}
+        cfg = cfg.model_copy(update={"e2b_templates": templates})
     secret = _read_token(token or None, token_file)
     host = port = None
     if tcp:
@@ -92,6 +104,17 @@ def serve(
         )
     uds = socket_path or cfg.socket_path
     asyncio.run(_serve(cfg, uds=uds, host=host, port=port, token=secret))
+
+
+def _parse_templates(items: list[str]) -> dict[str, str]:
+    """``TEMPLATE=IMAGE`` options as a table; a malformed one is a user error naming it."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, image = item.partition("=")
+        if not sep or not name.strip() or not image.strip():
+            raise InvalidRequest(f"--e2b-template {item!r}: expected TEMPLATE=IMAGE")
+        out[name.strip()] = image.strip()
+    return out
 
 
 async def _open_node(cfg: NodeConfig) -> NodeOps:

@@ -83,6 +83,10 @@ class NodeConfig(BaseModel):
     fncall: FnCallConfig = Field(default_factory=FnCallConfig)
     """Warm pools for short calls (``[node.fncall]``): default image, pools per image,
     languages; see corral.backends.fncall.config."""
+    e2b_templates: dict[str, str] = Field(default_factory=dict)
+    """E2B template id/alias -> corral image, for the E2B API on ``corral node serve``
+    (``[node.e2b_templates]``, e.g. ``base = "base/debian"``); merged over the built-in
+    table; a template not named is used as the image name itself."""
 
     def backend_config(self, kind: str) -> BackendConfig | None:
         return next((b for b in self.backends if b.kind == kind), None)

@@ -29,11 +29,11 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from corral.integrations.e2b._common import ENVD_VERSION, E2BConfig, envd_token
+from corral.integrations.e2b._common import ENVD_VERSION, E2BConfig, e2b_config, envd_token
 from corral.integrations.e2b._ports import HOST_RE, PATH_RE, PortProxy
 from corral.ops import NodeOps
 
-__all__ = ["E2BGateway", "E2BConfig", "ENVD_VERSION", "envd_token"]
+__all__ = ["E2BGateway", "E2BConfig", "ENVD_VERSION", "e2b_config", "envd_token"]
 
 log = logging.getLogger("corral.e2b")
 

@@ -46,6 +46,16 @@ class E2BConfig:
     """Seconds a client is told to wait when the node is at capacity (429)."""
 
 
+def e2b_config(ops: object) -> E2BConfig:
+    """The E2B config of a node: the built-in template table with the node config's
+    ``e2b_templates`` over it (``ops`` without a NodeConfig, e.g. a cluster client or
+    the FakeNode: the built-in table alone)."""
+    extra = getattr(getattr(ops, "config", None), "e2b_templates", None)
+    if not isinstance(extra, dict) or not extra:
+        return E2BConfig()
+    return E2BConfig(templates={**E2BConfig().templates, **extra})
+
+
 def envd_token(node_token: str | None, sandbox_id: str) -> str | None:
     """The envd access token of ``sandbox_id`` (None where the node has no token)."""
     if not node_token:
