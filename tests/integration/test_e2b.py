@@ -28,6 +28,7 @@ from e2b.exceptions import (  # noqa: E402
     NotFoundException,
     SandboxException,
     SandboxNotFoundException,
+    TimeoutException,
 )
 
 STATE = Path(f"/var/lib/corral-test{TAG}-e2b")
@@ -51,6 +52,7 @@ def e2b_env(served: tuple[Node, str], monkeypatch: pytest.MonkeyPatch) -> Node:
     monkeypatch.setenv("E2B_API_URL", address)
     monkeypatch.setenv("E2B_SANDBOX_URL", address)
     monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    monkeypatch.setenv("E2B_DOMAIN", "e2b.local")  # get_host(port): {port}-{id}.e2b.local
     return node
 
 
@@ -493,7 +495,8 @@ async def test_port_proxy(sbx: AsyncSandbox, e2b_env: Node) -> None:
                 break
             await asyncio.sleep(0.1)
         assert r.status_code == 200 and r.content == b"hello \x00 port"
-        host = {"Host": f"8000-{sbx.sandbox_id}.e2b.local", **own}
+        assert sbx.get_host(8000) == f"8000-{sbx.sandbox_id}.e2b.local"
+        host = {"Host": sbx.get_host(8000), **own}
         r = await c.get("/hello.txt", headers=host)
         assert r.status_code == 200 and r.content == b"hello \x00 port"
         r = await c.get("/nope", headers=host)
@@ -572,3 +575,15 @@ async def test_large_streamed_output(sbx: AsyncSandbox) -> None:
     """More than the sandbox's buffered-exec output limit (1 MiB): streamed, not cut."""
     r = await sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' x; echo")
     assert len(r.stdout) == 3000001 and r.exit_code == 0
+
+
+async def test_command_timeout_then_the_sandbox_goes_on(sbx: AsyncSandbox) -> None:
+    """``commands.run(timeout=)`` bounds the command's stream: the SDK raises its
+    TimeoutException, the process runs on (as under envd) until killed, and the sandbox
+    answers the next command."""
+    with pytest.raises(TimeoutException):
+        await sbx.commands.run("sleep 600", timeout=1)
+    running = [p for p in await sbx.commands.list() if "sleep 600" in " ".join(p.args)]
+    assert len(running) == 1
+    assert await sbx.commands.kill(running[0].pid)
+    assert (await sbx.commands.run("echo next")).stdout == "next\n"

@@ -96,6 +96,30 @@ async def test_capacity_is_429_with_retry_after(http: tuple[FakeNode, httpx.Asyn
     _is_e2b_error(r, 429)
     assert r.headers["retry-after"].isdigit()
     # the SDK would retry: Should-Retry is not set, so 429 alone marks it retryable
+    # (test_the_sdk_retries_a_429_after_retry_after runs the SDK's own retry transport)
+
+
+async def test_the_sdk_retries_a_429_after_retry_after() -> None:
+    """The e2b SDK's control-plane transport (``AsyncRetryableTransport``, 3 retries by
+    default) over the gateway: a create at capacity waits the ``Retry-After`` the node
+    sent, and succeeds once a slot is free."""
+    from e2b.retry import AsyncRetryableTransport
+
+    node = FakeNode(max_sandboxes=1)
+    waited: list[float] = []
+
+    async def sleep(delay: float) -> None:  # the SDK's wait: free a slot instead of sleeping
+        waited.append(delay)
+        for info in await node.sandbox_list():
+            await node.sandbox_destroy(info.id)
+
+    inner = httpx.ASGITransport(_app(node))
+    transport = AsyncRetryableTransport(inner, 3, sleep=sleep)
+    async with httpx.AsyncClient(transport=transport, base_url="http://node.test") as c:
+        await _create(c)
+        r = await c.post("/v2/sandboxes", json={"templateID": "base"}, headers=KEY, timeout=30)
+    assert r.status_code == 201, r.text
+    assert waited == [1.0]  # E2BConfig.retry_after
 
 
 async def test_list_paging_and_filters(http: tuple[FakeNode, httpx.AsyncClient]) -> None:

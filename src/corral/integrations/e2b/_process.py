@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -99,20 +100,38 @@ class _Proc:
             self.pty_ready.set()
 
     async def events(
-        self, q: asyncio.Queue[Event], keepalive: float, wrap: Callable[..., Any]
+        self,
+        q: asyncio.Queue[Event],
+        keepalive: float,
+        wrap: Callable[..., Any],
+        deadline: float | None = None,
     ) -> AsyncIterator[Any]:
         """Start first, data and keepalives, exactly one end. Detaches when the client
-        goes away; the process runs on."""
+        goes away; the process runs on. Past ``deadline`` (``time.monotonic()``, from
+        the client's ``Connect-Timeout-Ms``: the SDK's command ``timeout``) the stream
+        ends with ``deadline_exceeded``, which the SDK raises as its TimeoutException;
+        the process runs on, as envd's does (a ``kill`` ends it)."""
         try:
             yield wrap(event=Event(event=oneof("start", Event.StartEvent(pid=self.pid))))
             if self.end is not None and q.empty():
                 yield wrap(event=self.end)
                 return
             while True:
+                wait = keepalive
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ConnectError(
+                            Code.DEADLINE_EXCEEDED,
+                            f"process {self.pid}: the request's timeout passed before it "
+                            "ended (it runs on: connect again to follow it, or kill it)",
+                        )
+                    wait = min(wait, left)
                 try:
-                    ev = await asyncio.wait_for(q.get(), keepalive)
+                    ev = await asyncio.wait_for(q.get(), wait)
                 except TimeoutError:
-                    yield wrap(event=Event(event=oneof("keepalive", Event.KeepAlive())))
+                    if deadline is None or time.monotonic() < deadline:
+                        yield wrap(event=Event(event=oneof("keepalive", Event.KeepAlive())))
                     continue
                 if ev is _OVERFLOW:
                     raise ConnectError(
@@ -152,6 +171,12 @@ class ProcessService(Process):
                 if p.tag == sel.value:
                     return p
         raise ConnectError(Code.NOT_FOUND, f"process {sel.value if sel else '?'} not found")
+
+    @staticmethod
+    def _deadline(ctx: RequestContext[Any, Any]) -> float | None:
+        """The client's ``Connect-Timeout-Ms`` as a ``time.monotonic()`` deadline."""
+        ms = ctx.timeout_ms
+        return None if ms is None else time.monotonic() + ms / 1000.0
 
     @staticmethod
     def _keepalive(ctx: RequestContext[Any, Any]) -> float:
@@ -206,7 +231,8 @@ class ProcessService(Process):
             # apply; E2B commands print as much as they like
             ereq = ExecRequest(cmd=cmd, env=env, cwd=cwd, user=user, output_limit=1 << 30)
             proc.task = asyncio.get_running_loop().create_task(self._drive_exec(sid, proc, ereq))
-        async for ev in proc.events(q, self._keepalive(ctx), pb.StartResponse):
+        deadline = self._deadline(ctx)
+        async for ev in proc.events(q, self._keepalive(ctx), pb.StartResponse, deadline):
             yield ev
 
     async def _drive_exec(self, sid: str, proc: _Proc, req: ExecRequest) -> None:
@@ -272,7 +298,8 @@ class ProcessService(Process):
         self, request: pb.ConnectRequest, ctx: RequestContext[Any, Any]
     ) -> AsyncIterator[pb.ConnectResponse]:
         proc = self._find(sandbox_of(ctx), request.process)
-        return proc.events(proc.attach(), self._keepalive(ctx), pb.ConnectResponse)
+        keepalive, deadline = self._keepalive(ctx), self._deadline(ctx)
+        return proc.events(proc.attach(), keepalive, pb.ConnectResponse, deadline)
 
     async def list(self, request: pb.ListRequest, ctx: RequestContext[Any, Any]) -> pb.ListResponse:
         procs = self._procs.get(sandbox_of(ctx), {})
