@@ -245,6 +245,8 @@ def test_node_serve_refuses_open_tcp() -> None:
     assert_user_error(cli("node", "serve", "--tcp", "127.0.0.1:0"), "--token")
     assert_user_error(cli("node", "serve", "--tcp", "nonsense"), "HOST:PORT")
     assert_user_error(cli("node", "serve", "--token", "t"), "--tcp")
+    # a malformed E2B template mapping is refused before the node opens
+    assert_user_error(cli("node", "serve", "--e2b-template", "noequals"), "TEMPLATE=IMAGE")
 
 
 def test_demo_and_bench_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
