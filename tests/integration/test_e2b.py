@@ -587,3 +587,14 @@ async def test_command_timeout_then_the_sandbox_goes_on(sbx: AsyncSandbox) -> No
     assert len(running) == 1
     assert await sbx.commands.kill(running[0].pid)
     assert (await sbx.commands.run("echo next")).stdout == "next\n"
+
+
+async def test_paths_stay_in_the_sandbox(sbx: AsyncSandbox) -> None:
+    """``..`` and a guest symlink to ``/`` resolve inside the sandbox's root: the files
+    read are the guest's, never the host's."""
+    await sbx.commands.run("echo guest-only > /tmp/mark && ln -s / /tmp/up")
+    for path in ("../../../../../tmp/mark", "/tmp/up/tmp/mark", "/tmp/up/../../tmp/mark"):
+        assert await sbx.files.read(path) == "guest-only\n", path
+    assert not Path("/tmp/mark").exists() or Path("/tmp/mark").read_text() != "guest-only\n"
+    await sbx.files.write("/tmp/up/tmp/written", "in")
+    assert (await sbx.commands.run("cat /tmp/written")).stdout == "in"

@@ -75,6 +75,11 @@ async def test_lifecycle_status_codes(http: tuple[FakeNode, httpx.AsyncClient]) 
     assert (await c.delete(f"/sandboxes/{sid}", headers=KEY)).status_code == 204
     _is_e2b_error(await c.delete(f"/sandboxes/{sid}", headers=KEY), 404)
     _is_e2b_error(await c.get(f"/sandboxes/{sid}", headers=KEY), 404)
+    # the legacy create and list routes (older SDKs) answer the same shapes
+    r = await c.post("/sandboxes", json={"templateID": "base"}, headers=KEY)
+    assert r.status_code == 201 and r.json()["envdVersion"] >= "0.6.4"
+    listed = (await c.get("/sandboxes", headers=KEY)).json()
+    assert [d["sandboxID"] for d in listed] == [r.json()["sandboxID"]]
 
 
 async def test_bad_requests(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
