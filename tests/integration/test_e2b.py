@@ -598,3 +598,19 @@ async def test_paths_stay_in_the_sandbox(sbx: AsyncSandbox) -> None:
     assert not Path("/tmp/mark").exists() or Path("/tmp/mark").read_text() != "guest-only\n"
     await sbx.files.write("/tmp/up/tmp/written", "in")
     assert (await sbx.commands.run("cat /tmp/written")).stdout == "in"
+
+
+async def test_create_with_network_options(e2b_env: Node) -> None:
+    """``allow_internet_access=False`` is corral's empty egress list (the sandbox runs);
+    ``True`` cannot be expressed: a clear error, and no sandbox is left."""
+    sb = await AsyncSandbox.create("test/debian", allow_internet_access=False)
+    try:
+        info = await e2b_env.sandbox_get(sb.sandbox_id)
+        assert info.spec.network.allow == []
+        assert (await sb.commands.run("echo up")).stdout == "up\n"
+    finally:
+        await sb.kill()
+    before = {i.id for i in await e2b_env.sandbox_list()}
+    with pytest.raises(SandboxException, match="allow_internet_access"):
+        await AsyncSandbox.create("test/debian", allow_internet_access=True)
+    assert {i.id for i in await e2b_env.sandbox_list()} <= before

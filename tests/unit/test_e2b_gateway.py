@@ -3,6 +3,7 @@ error bodies, and envd's answers to bad input (no root, no e2b SDK calls: raw HT
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections.abc import AsyncIterator
 
@@ -241,3 +242,33 @@ async def test_template_table_from_the_node_config() -> None:
         r = await c.post("/v2/sandboxes", json={"templateID": "py"}, headers=KEY)
         _is_e2b_error(r, 404)
         assert "'no/image'" in r.json()["message"]
+
+
+async def test_create_options_network_and_auto_pause(
+    http: tuple[FakeNode, httpx.AsyncClient],
+) -> None:
+    """A create's ``network``/``allow_internet_access`` become corral's egress lists; what
+    corral cannot express is a 400 and leaves no sandbox; ``autoPause`` pauses at the
+    deadline instead of killing."""
+    node, c = http
+    for body, word in (
+        ({"mcp": {"x": {}}}, "mcp"),
+        ({"volumeMounts": [{"name": "v", "path": "/v"}]}, "volumeMounts"),
+        ({"allow_internet_access": True}, "allow_internet_access"),
+        ({"network": {"rules": {}}}, "rules"),
+        ({"network": {"denyOut": ["10.0.0.0/8"]}}, "10.0.0.0/8"),
+    ):
+        r = await c.post("/v2/sandboxes", json={"templateID": "base", **body}, headers=KEY)
+        _is_e2b_error(r, 400)
+        assert word in r.json()["message"], r.json()
+    assert await node.sandbox_list() == []  # the refused network left nothing behind
+    sid = (await _create(c, allow_internet_access=False))["sandboxID"]
+    assert (await node.sandbox_get(sid)).spec.network.allow == []
+    paused = (await _create(c, autoPause=True, timeout=1))["sandboxID"]
+    for _ in range(600):  # the gateway's deadline task: readiness by state, bounded
+        if (await node.sandbox_get(paused)).state == "paused":
+            break
+        await asyncio.sleep(0.05)
+    assert (await node.sandbox_get(paused)).state == "paused"
+    r = await c.post(f"/v2/sandboxes/{paused}/connect", json={"timeout": 30}, headers=KEY)
+    assert r.status_code == 201

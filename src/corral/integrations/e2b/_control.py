@@ -69,12 +69,38 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
+def _egress(body: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
+    """E2B's network settings (``PUT /network``, or ``network`` and
+    ``allow_internet_access`` of a create) as corral's egress (allow, deny); what corral
+    cannot express is an InvalidRequest naming it."""
+    unknown = set(body) - {"allowOut", "denyOut", "allow_internet_access"}
+    if unknown:
+        raise InvalidRequest(
+            f"network: {', '.join(sorted(unknown))} cannot be expressed on corral "
+            "(only allowOut and denyOut: CIDRs or corral's named permissions)"
+        )
+    allow, deny = body.get("allowOut"), body.get("denyOut")
+    if body.get("allow_internet_access") is False:
+        allow = []  # corral's empty allow list: loopback only
+    elif body.get("allow_internet_access") is True:
+        raise InvalidRequest(
+            "network: allow_internet_access=true cannot be expressed on corral; "
+            "allow the node's named permissions instead (allowOut)"
+        )
+    for v in (allow, deny):
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise InvalidRequest("network: allowOut/denyOut must be lists of strings")
+    return allow, deny
+
+
 class Deadlines:
     """E2B deadlines of this node's E2B sandboxes, and the task that enforces them."""
 
     def __init__(self, ops: NodeOps) -> None:
         self._ops = ops
         self._end: dict[str, float] = {}
+        self._pause: set[str] = set()
+        """Sandboxes created with ``autoPause``: paused at their deadline, not killed."""
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -99,8 +125,14 @@ class Deadlines:
         if self._end.get(sandbox_id, 0.0) < time.time() + seconds:
             self.set(sandbox_id, seconds)
 
+    def pause_at_end(self, sandbox_id: str) -> None:
+        """E2B's ``autoPause`` (``lifecycle={"on_timeout": "pause"}``): the deadline
+        pauses the sandbox; ``connect`` resumes it."""
+        self._pause.add(sandbox_id)
+
     def forget(self, sandbox_id: str) -> None:
         self._end.pop(sandbox_id, None)
+        self._pause.discard(sandbox_id)
 
     async def _reap(self) -> None:
         while self._end:
@@ -109,11 +141,14 @@ class Deadlines:
             for sid in due:
                 self._end.pop(sid, None)
                 try:
-                    await self._ops.sandbox_destroy(sid)
+                    if sid in self._pause:
+                        await self._ops.sandbox_pause(sid)
+                    else:
+                        await self._ops.sandbox_destroy(sid)
                 except NotFound:
                     pass
                 except CorralError as exc:
-                    log.warning("e2b: destroying %s at its timeout failed: %s", sid, exc)
+                    log.warning("e2b: ending %s at its timeout failed: %s", sid, exc)
             if not self._end:
                 return
             wait = max(0.05, min(self._end.values()) - time.time())
@@ -256,6 +291,17 @@ class ControlPlane:
                 404,
             )
         timeout = self._timeout(body, self.config.default_timeout)
+        for key in ("mcp", "iam", "volumeMounts"):
+            if body.get(key):
+                raise InvalidRequest(f"{key} cannot be expressed on corral (not supported)")
+        auto_pause = body.get("autoPause") is True
+        network = body.get("network")
+        if network is not None and not isinstance(network, dict):
+            raise InvalidRequest("network must be an object")
+        net_body = dict(network or {})
+        if "allow_internet_access" in body:
+            net_body["allow_internet_access"] = body["allow_internet_access"]
+        allow, deny = _egress(net_body)  # checked before anything is created
         metadata = body.get("metadata") or {}
         env = body.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(env, dict):
@@ -279,9 +325,13 @@ class ControlPlane:
             return self._error(exc)
         try:
             await self._ensure_user(info.id)
+            if allow is not None or deny is not None:
+                await self.ops.network_update(info.id, allow=allow, deny=deny)
         except BaseException:
             await self.ops.sandbox_destroy(info.id)
             raise
+        if auto_pause:
+            self.deadlines.pause_at_end(info.id)
         self.deadlines.set(info.id, timeout or self.config.default_timeout)
         return JSONResponse(self._created(info), 201)
 
@@ -462,24 +512,7 @@ class ControlPlane:
         is a 400 naming it."""
         sid = request.path_params["sandbox_id"]
         await self._e2b_sandbox(sid)
-        body = await self._body(request)
-        unknown = set(body) - {"allowOut", "denyOut", "allow_internet_access"}
-        if unknown:
-            raise InvalidRequest(
-                f"network: {', '.join(sorted(unknown))} cannot be expressed on corral "
-                "(only allowOut and denyOut: CIDRs or corral's named permissions)"
-            )
-        allow, deny = body.get("allowOut"), body.get("denyOut")
-        if body.get("allow_internet_access") is False:
-            allow = []  # corral's empty allow list: loopback only
-        elif body.get("allow_internet_access") is True:
-            raise InvalidRequest(
-                "network: allow_internet_access=true cannot be expressed on corral; "
-                "allow the node's named permissions instead (allowOut)"
-            )
-        for v in (allow, deny):
-            if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
-                raise InvalidRequest("network: allowOut/denyOut must be lists of strings")
+        allow, deny = _egress(await self._body(request))
         await self.ops.network_update(sid, allow=allow, deny=deny)
         return Response(status_code=204)
 
