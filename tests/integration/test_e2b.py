@@ -614,3 +614,21 @@ async def test_create_with_network_options(e2b_env: Node) -> None:
     with pytest.raises(SandboxException, match="allow_internet_access"):
         await AsyncSandbox.create("test/debian", allow_internet_access=True)
     assert {i.id for i in await e2b_env.sandbox_list()} <= before
+
+
+async def test_auto_pause_at_the_deadline(e2b_env: Node) -> None:
+    """``lifecycle={"on_timeout": "pause"}``: the deadline pauses the sandbox (state
+    kept), ``connect`` resumes it."""
+    sb = await AsyncSandbox.create("test/debian", timeout=120, lifecycle={"on_timeout": "pause"})
+    try:
+        await sb.commands.run("echo kept > /tmp/state")
+        await sb.set_timeout(1)
+        for _ in range(600):  # the gateway's deadline task; readiness by state, bounded
+            if (await AsyncSandbox.get_info(sb.sandbox_id)).state.value == "paused":
+                break
+            await asyncio.sleep(0.1)
+        assert (await AsyncSandbox.get_info(sb.sandbox_id)).state.value == "paused"
+        again = await AsyncSandbox.connect(sb.sandbox_id, timeout=60)
+        assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
+    finally:
+        await sb.kill()
