@@ -51,22 +51,14 @@ from corral.spec import ExecRequest, ForkRequest, Limits, SandboxInfo, SandboxSp
 
 log = logging.getLogger("corral.e2b")
 
-# Adds the default E2B account where the image has none (E2B images have ``user``, uid
-# 1000, home /home/user). Runs as root once per create; idempotent.
-_ENSURE_USER = r"""
-u="$1"
-if ! grep -q "^$u:" /etc/passwd; then
-  sh=/bin/sh; [ -x /bin/bash ] && sh=/bin/bash
-  echo "$u:x:1000:1000:$u:/home/$u:$sh" >> /etc/passwd
-  grep -q "^$u:" /etc/group || echo "$u:x:1000:" >> /etc/group
-fi
-mkdir -p "/home/$u" && chown "$u" "/home/$u" 2>/dev/null
-exit 0
-"""
-
 
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _has_entry(table: bytes, name: str) -> bool:
+    """Whether a passwd/group file has an entry for ``name``."""
+    return any(line.startswith(f"{name}:".encode()) for line in table.splitlines())
 
 
 def _egress(body: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
@@ -336,27 +328,52 @@ class ControlPlane:
         return JSONResponse(self._created(info), 201)
 
     async def _ensure_user(self, sandbox_id: str) -> None:
-        """Add the default account where the image has none. Reading /etc/passwd is a
-        files call; the exec that adds the account (tens of ms) runs only when needed,
-        so an image built with the account (uid 1000, home /home/user) skips it."""
+        """Add the default account where the image has none (E2B images have ``user``,
+        uid 1000, home /home/user). The passwd/group lines and the home are files calls
+        on the host side, no process in the guest; one exec of ``chown`` hands the home
+        to the account (the files API creates as root). A shell script doing all of it
+        cost ~80 ms of a ~180 ms E2B create; an image built with the account and its
+        home skips everything but two reads."""
         user = self.config.default_user
         if user == "root":
             return
-        try:
-            passwd = await self.ops.file_read(sandbox_id, "/etc/passwd")
-            await self.ops.file_stat(sandbox_id, home_of(user))
-        except NotFound:
-            passwd = b""
-        if any(line.startswith(f"{user}:".encode()) for line in passwd.splitlines()):
+        sid, home = sandbox_id, home_of(user)
+        passwd = await self._read(sid, "/etc/passwd")
+        has_user = _has_entry(passwd, user)
+        if has_user and await self._exists(sid, home):
             return
-        res = await self.ops.exec(
-            sandbox_id, ExecRequest(cmd=["/bin/sh", "-c", _ENSURE_USER, "sh", user], user="0")
-        )
+        if not has_user:
+            shell = "/bin/bash" if await self._exists(sid, "/bin/bash") else "/bin/sh"
+            line = f"{user}:x:1000:1000:{user}:{home}:{shell}"
+            await self._append_line(sid, "/etc/passwd", passwd, line)
+            group = await self._read(sid, "/etc/group")
+            if not _has_entry(group, user):
+                await self._append_line(sid, "/etc/group", group, f"{user}:x:1000:")
+        await self.ops.file_mkdir(sid, home, parents=True)
+        res = await self.ops.exec(sid, ExecRequest(cmd=["chown", user, home], user="0"))
         if res.exit_code != 0:
             raise CorralError(
-                f"could not add the E2B account {user!r} to the sandbox: "
+                f"could not hand {home} to the E2B account {user!r}: "
                 f"{res.stderr.decode(errors='replace').strip()}"
             )
+
+    async def _read(self, sandbox_id: str, path: str) -> bytes:
+        try:
+            return await self.ops.file_read(sandbox_id, path)
+        except NotFound:
+            return b""
+
+    async def _exists(self, sandbox_id: str, path: str) -> bool:
+        try:
+            await self.ops.file_stat(sandbox_id, path)
+        except NotFound:
+            return False
+        return True
+
+    async def _append_line(self, sandbox_id: str, path: str, old: bytes, line: str) -> None:
+        sep = b"\n" if old and not old.endswith(b"\n") else b""
+        data = sep + line.encode() + b"\n"
+        await self.ops.file_write(sandbox_id, path, data, append=True)
 
     async def _listed(self, request: Request) -> list[dict[str, Any]]:
         q = request.query_params
