@@ -41,6 +41,11 @@ log = logging.getLogger("corral.api")
 _BACKLOG = 2048
 # Seconds that in-flight requests get to finish after a stop request before being cut.
 _GRACE = 10
+# Seconds an idle HTTP connection is kept: longer than the pools of the clients that keep
+# connections longest (the e2b SDK: 300 s), so a client's pool drops an idle connection
+# before the node does. With uvicorn's 5 s, a pooled connection the node had just closed
+# was reused now and then, and the request failed with "connection reset by peer".
+_KEEP_ALIVE = 310
 
 
 class _Server(uvicorn.Server):
@@ -91,6 +96,7 @@ class NodeServer:
             # the terminal route is a websocket; "auto" picks the websockets library
             ws="auto",
             timeout_graceful_shutdown=_GRACE,
+            timeout_keep_alive=_KEEP_ALIVE,
         )
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
