@@ -414,7 +414,11 @@ def tcp_socket_in(pid: int) -> socket.socket:
         # Safe: this thread only; it returns to its own namespace before anything else runs
         _setns(target)
         try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock = socket.socket(
+                socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC, socket.IPPROTO_TCP
+            )
+            # a relayed request's parts go out at once, not after the guest's delayed ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         finally:
             try:
                 _setns(own)
