@@ -390,20 +390,39 @@ def _path_without(tmp: Path, *missing: str) -> str:
     return str(tmp)
 
 
-async def test_oci_runtime_missing(images_ready, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Neither crun nor runc on PATH: the node refuses to start, naming both and the
-    Debian packages; the sandboxes of the earlier agent keep running and are adopted
-    once the runtime is back."""
-    n = await _fresh()
+@pytest.mark.parametrize("runtime", ["crun", "auto"])
+async def test_oci_runtime_missing(images_ready, monkeypatch, tmp_path, runtime) -> None:  # type: ignore[no-untyped-def]
+    """Neither crun nor runc on PATH. A node configured for an OCI runtime refuses to start,
+    naming both and the Debian packages; the default (corral's launcher) needs neither and
+    starts. Either way the sandboxes of the earlier agent keep running and are adopted
+    (once the runtime is back, for the OCI one)."""
+    from corral.backends.config import ContainerConfig
+
+    backends = [ContainerConfig(runtime=runtime)]
+    n = await Node.open(_cfg(backends=backends))
+    await n.gc(everything=True)  # what an earlier, crashed run of this module left
     kept = await _Kept.make(n)
     await n.close()  # the agent goes; its sandboxes keep running
     with monkeypatch.context() as m:
         m.setenv("PATH", _path_without(tmp_path / "bin", "runc", "crun"))
-        with pytest.raises(HostError) as got:
-            await Node.open(_cfg())
-    text = str(got.value)
-    assert "runc" in text and "crun" in text and "apt-get install" in text, text
-    n = await Node.open(_cfg())
+        if runtime == "crun":
+            with pytest.raises(HostError) as got:
+                await Node.open(_cfg(backends=backends))
+            text = str(got.value)
+            assert "runc" in text and "crun" in text and "apt-get install" in text, text
+        else:
+            n = await Node.open(_cfg(backends=backends))
+            try:
+                assert n.backends.get("container").runtime.name == "launch"
+                assert [i.id for i in await n.sandbox_list()] == [kept.sid]
+                await kept.check(n)
+                fresh = await n.sandbox_create(_spec())
+                r = await n.exec(fresh.id, ExecRequest(cmd=["echo", "ok"]))
+                assert r.stdout == b"ok\n"
+                await n.sandbox_destroy(fresh.id)
+            finally:
+                await n.close()
+    n = await Node.open(_cfg(backends=backends))
     try:
         assert [i.id for i in await n.sandbox_list()] == [kept.sid]
         await kept.check(n)
