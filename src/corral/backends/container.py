@@ -390,7 +390,9 @@ class ContainerBackend:
             self.cgroups.prepare(latency=latency)
             # After the runtime's delete (undo runs in reverse): directories it left, e.g.
             # in hierarchies it does not manage.
-            undo.append(lambda: self.cgroups.remove(sandbox_id))
+            # Waits for the killed tasks (a failed create's too: a best-effort init that did
+            # not come up on saturated CPUs exits slowly), as destroy does.
+            undo.append(lambda: self._remove_cgroup(sandbox_id))
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
             with phases.phase("runtime_start"):
                 await self.runtime.run_detached(
@@ -446,7 +448,7 @@ class ContainerBackend:
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
         procs, cpu_procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
-        undo.append(lambda: self.cgroups.remove(sandbox_id))
+        undo.append(lambda: self._remove_cgroup(sandbox_id))  # after its killed tasks left
         undo.append(lambda: launcher.delete(sandbox_id, force=True))
         with phases.phase("runtime_start"):
             pid = await launcher.start(
