@@ -390,20 +390,39 @@ def _path_without(tmp: Path, *missing: str) -> str:
     return str(tmp)
 
 
-async def test_oci_runtime_missing(images_ready, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Neither crun nor runc on PATH: the node refuses to start, naming both and the
-    Debian packages; the sandboxes of the earlier agent keep running and are adopted
-    once the runtime is back."""
-    n = await _fresh()
+@pytest.mark.parametrize("runtime", ["crun", "auto"])
+async def test_oci_runtime_missing(images_ready, monkeypatch, tmp_path, runtime) -> None:  # type: ignore[no-untyped-def]
+    """Neither crun nor runc on PATH. A node configured for an OCI runtime refuses to start,
+    naming both and the Debian packages; the default (corral's launcher) needs neither and
+    starts. Either way the sandboxes of the earlier agent keep running and are adopted
+    (once the runtime is back, for the OCI one)."""
+    from corral.backends.config import ContainerConfig
+
+    backends = [ContainerConfig(runtime=runtime)]
+    n = await Node.open(_cfg(backends=backends))
+    await n.gc(everything=True)  # what an earlier, crashed run of this module left
     kept = await _Kept.make(n)
     await n.close()  # the agent goes; its sandboxes keep running
     with monkeypatch.context() as m:
         m.setenv("PATH", _path_without(tmp_path / "bin", "runc", "crun"))
-        with pytest.raises(HostError) as got:
-            await Node.open(_cfg())
-    text = str(got.value)
-    assert "runc" in text and "crun" in text and "apt-get install" in text, text
-    n = await Node.open(_cfg())
+        if runtime == "crun":
+            with pytest.raises(HostError) as got:
+                await Node.open(_cfg(backends=backends))
+            text = str(got.value)
+            assert "runc" in text and "crun" in text and "apt-get install" in text, text
+        else:
+            n = await Node.open(_cfg(backends=backends))
+            try:
+                assert n.backends.get("container").runtime.name == "launch"
+                assert [i.id for i in await n.sandbox_list()] == [kept.sid]
+                await kept.check(n)
+                fresh = await n.sandbox_create(_spec())
+                r = await n.exec(fresh.id, ExecRequest(cmd=["echo", "ok"]))
+                assert r.stdout == b"ok\n"
+                await n.sandbox_destroy(fresh.id)
+            finally:
+                await n.close()
+    n = await Node.open(_cfg(backends=backends))
     try:
         assert [i.id for i in await n.sandbox_list()] == [kept.sid]
         await kept.check(n)
@@ -514,10 +533,11 @@ from pathlib import Path
 Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))  # before anything is loaded
 from corral.api.server import NodeServer
 from corral.node import Node
+from corral.backends.config import ContainerConfig
 from tests.integration.test_faults import _cfg, RUN
 
 async def main():
-    n = await Node.open(_cfg())
+    n = await Node.open(_cfg(backends=[ContainerConfig(runtime=sys.argv[2])]))
     async with NodeServer(n, uds=RUN / "agent.sock"):
         print("ready", flush=True)
         await asyncio.Event().wait()
@@ -562,10 +582,9 @@ class _AgentCgroup:
         self.path.rmdir()
 
 
-async def _start_agent(cg: _AgentCgroup) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _AGENT, str(cg.path), cwd=REPO, stdout=asyncio.subprocess.PIPE
-    )
+async def _start_agent(cg: _AgentCgroup, runtime: str) -> asyncio.subprocess.Process:
+    argv = [sys.executable, "-c", _AGENT, str(cg.path), runtime]
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=REPO, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     async with asyncio.timeout(120):
         line = await proc.stdout.readline()
@@ -573,15 +592,19 @@ async def _start_agent(cg: _AgentCgroup) -> asyncio.subprocess.Process:
     return proc
 
 
-async def test_agent_memory_tight(images_ready) -> None:  # type: ignore[no-untyped-def]
-    """The agent runs in a memory cgroup squeezed to 4 MiB above what it uses; 18 creates
-    and execs go on over its API, 6 at a time. Each works or fails with a CorralError
-    that has a message. What happens here (2026-12): the OCI runtime processes the agent
-    starts are charged to its cgroup, the cgroup's OOM killer picks the agent (the largest
-    process) and clients get TransportError; the sandboxes live in their own cgroups and
-    survive. Once the limit is raised, a restarted agent (as a supervisor would) adopts
-    the sandbox made before, its file intact, and creates work again."""
+@pytest.mark.parametrize("runtime", ["crun", "auto"])
+async def test_agent_memory_tight(images_ready, runtime) -> None:  # type: ignore[no-untyped-def]
+    """The agent runs in a memory cgroup squeezed to what it uses (crun: 4 MiB above); 18
+    creates and execs go on over its API, 6 at a time. Each works or fails with a
+    CorralError that has a message. What happens here (2026-12): with crun, the OCI runtime
+    processes the agent starts are charged to its cgroup, the cgroup's OOM killer picks the
+    agent (the largest process) and clients get TransportError; corral's launcher joins
+    the sandbox's cgroups before it clones, so only the agent's own growth (its heap, the
+    database's pages) meets the limit, hence no headroom. The sandboxes live in their own
+    cgroups and survive. Once the limit is raised, a restarted agent (as a supervisor
+    would) adopts the sandbox made before, its file intact, and creates work again."""
     import corral
+    from corral.backends.config import ContainerConfig
 
     n = await _fresh()
     await _shutdown(n)
@@ -590,12 +613,12 @@ async def test_agent_memory_tight(images_ready) -> None:  # type: ignore[no-unty
     outcomes: dict[str, int] = {}
     try:
         cg.limit(1 << 30)
-        agent = await _start_agent(cg)
+        agent = await _start_agent(cg, runtime)
         address = f"unix://{RUN / 'agent.sock'}"
         async with corral.AsyncClient(address) as c:
             kept = await c.sandboxes.create(image="test/busybox", limits=SMALL)
             await kept.files.write("/tmp/kept.bin", b"k" * 65536)
-            tight = cg.usage() + (4 << 20)
+            tight = cg.usage() + (4 << 20 if runtime == "crun" else 0)
             cg.limit(tight)
             before = cg.failures()
 
@@ -621,7 +644,7 @@ async def test_agent_memory_tight(images_ready) -> None:  # type: ignore[no-unty
         assert pressure > 0, "the limit was never reached: no pressure was applied"
         cg.limit(1 << 30)
         if agent.returncode is not None:  # the kernel killed the agent: a supervisor's restart
-            agent = await _start_agent(cg)
+            agent = await _start_agent(cg, runtime)
         async with corral.AsyncClient(address) as c:
             again = await c.sandboxes.get(kept.id)
             assert await again.files.read("/tmp/kept.bin") == b"k" * 65536
@@ -634,7 +657,10 @@ async def test_agent_memory_tight(images_ready) -> None:  # type: ignore[no-unty
             agent.kill()
             await agent.wait()
         try:  # the node's seccomp fd holder, started by the agent, is in its cgroup:
-            n = await _fresh()  # the next node's gc ends it with the rest
+            # the next node's gc ends it with the rest. Of the same runtime: a node of
+            # another leaves this one's runtime root (crun's tmpfs) mounted.
+            n = await Node.open(_cfg(backends=[ContainerConfig(runtime=runtime)]))
+            await n.gc(everything=True)
             await _shutdown(n)
         finally:
             cg.remove()

@@ -52,6 +52,7 @@ def test_neighbours_harm_nobody(images_ready) -> None:  # type: ignore[no-untype
     assert attacks["fork_bomb"]["effect"]["pids_refused"] > 0, attacks["fork_bomb"]
     assert attacks["memory_bomb"]["effect"]["oom_kills"] > 0, attacks["memory_bomb"]
     assert attacks["disk_fill"]["effect"]["fill_bytes"] >= 32 << 20, attacks["disk_fill"]
-    assert attacks["output_flood"]["flood_truncated"] is True
+    flood = attacks["output_flood"]
+    assert flood.get("flood_truncated") is True, flood  # stopped at its cap by the node
     assert out["probe_errors"] == 0
     assert out["leaked_total"] == 0, out["leaks"]

@@ -35,6 +35,7 @@ def test_soak_200_cycles(images_ready) -> None:  # type: ignore[no-untyped-def]
     assert out["scenario"] == "soak" and out["cycles"] == 200
     assert out["errors"] == 0, out["error_examples"]
     assert out["shells"] is True  # test/debian has bash: the shell step ran
+    assert out["networked"] == 8  # every 25th: veths and nft entries were made and checked
     assert out["leaked_total"] == 0, out["leaks"]
     assert out["rss_growth"] < 0.10, out["rss_mib"]
     assert out["p99_ratio_last_first"] is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -63,6 +64,10 @@ __all__ = ["ContainerBackend", "remove_sandbox_dir"]
 log = logging.getLogger("corral.backends.container")
 
 _KEEP = ("upper", "work", "rootfs")  # what a fork base keeps of a sandbox dir
+_MIN_SCRATCH_ROOM = 8 << 20
+"""Free scratch space below which a create is refused: a sandbox that starts with no room
+for its first writes fails at them instead, far from the cause. crun met this by its bundle
+write failing; the launcher writes no file there, so it is checked."""
 
 
 class ContainerBackend:
@@ -288,6 +293,7 @@ class ContainerBackend:
         phases: Phases,
     ) -> int:
         d = self.dir(sandbox_id)
+        _check_room(self.scratch.mountpoint)
         in_subvol = d.parent == self.scratch.mountpoint
         if in_subvol:
             # The sandbox's dir is its btrfs subvolume (bundle, control socket, rootfs
@@ -384,7 +390,9 @@ class ContainerBackend:
             self.cgroups.prepare(latency=latency)
             # After the runtime's delete (undo runs in reverse): directories it left, e.g.
             # in hierarchies it does not manage.
-            undo.append(lambda: self.cgroups.remove(sandbox_id))
+            # Waits for the killed tasks (a failed create's too: a best-effort init that did
+            # not come up on saturated CPUs exits slowly), as destroy does.
+            undo.append(lambda: self._remove_cgroup(sandbox_id))
             undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
             with phases.phase("runtime_start"):
                 await self.runtime.run_detached(
@@ -440,7 +448,7 @@ class ContainerBackend:
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
         procs, cpu_procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
-        undo.append(lambda: self.cgroups.remove(sandbox_id))
+        undo.append(lambda: self._remove_cgroup(sandbox_id))  # after its killed tasks left
         undo.append(lambda: launcher.delete(sandbox_id, force=True))
         with phases.phase("runtime_start"):
             pid = await launcher.start(
@@ -777,3 +785,16 @@ if TYPE_CHECKING:  # mypy checks the engine against the protocol the node uses
 
     def _conforms(b: ContainerBackend) -> Backend:
         return b
+
+
+def _check_room(mountpoint: Path) -> None:
+    """Raise ENOSPC (the node answers ScratchFull) when the scratch filesystem has less than
+    ``_MIN_SCRATCH_ROOM`` free for data."""
+    st = os.statvfs(mountpoint)
+    free = st.f_bavail * st.f_frsize
+    if free < _MIN_SCRATCH_ROOM:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: {free} bytes free on {mountpoint}, "
+            f"under the {_MIN_SCRATCH_ROOM >> 20} MiB a new sandbox needs",
+        )

@@ -5,8 +5,8 @@ Each round a child process opens the node (the agent), tops it up to ``count`` l
 sandboxes and gives them a mix of states: background processes (``sleep``), a few busy
 ones (a shell loop on the CPU), open shells, every 4th paused. It writes down what it
 has, then starts operations and is killed while they are in flight: creates, forks,
-pauses, destroys. This process then opens the node on the same state (as a restarted
-agent would) and checks:
+pauses, destroys, a snapshot, and execs whose output is still streaming. This process
+then opens the node on the same state (as a restarted agent would) and checks:
 
 - ``lost``: a sandbox the child had before its in-flight operations that is gone, or a
   paused one that is no longer paused (destroy targets may go either way);
@@ -46,6 +46,9 @@ _INFLIGHT_CREATES = 4
 _INFLIGHT_FORKS = 2
 _INFLIGHT_PAUSES = 2
 _INFLIGHT_DESTROYS = 2
+_INFLIGHT_SNAPSHOTS = 1
+_INFLIGHT_STREAMS = 2
+"""Execs whose output is still streaming (a loop printing) when the agent is killed."""
 
 
 async def _child(config_json: str, image: str, count: int, out: Path) -> None:
@@ -81,10 +84,15 @@ async def _child(config_json: str, image: str, count: int, out: Path) -> None:
     destroys = running[-_INFLIGHT_DESTROYS:]
     pauses = running[-_INFLIGHT_DESTROYS - _INFLIGHT_PAUSES : -_INFLIGHT_DESTROYS]
     parents = running[:_INFLIGHT_FORKS]
+    rest = running[_INFLIGHT_FORKS : -_INFLIGHT_DESTROYS - _INFLIGHT_PAUSES]
+    snapshots = rest[:_INFLIGHT_SNAPSHOTS]
+    streams = rest[_INFLIGHT_SNAPSHOTS : _INFLIGHT_SNAPSHOTS + _INFLIGHT_STREAMS]
     roles: dict[str, str] = {i.id: i.state for i in infos}
     roles.update({s: "inflight-destroy" for s in destroys})
     roles.update({s: "inflight-pause" for s in pauses})
     roles.update({s: "fork-parent" for s in parents})
+    roles.update({s: "inflight-snapshot" for s in snapshots})
+    roles.update({s: "open-stream" for s in streams})
     roles.update({s: "busy" for s in sorted(i.id for i in infos if i.state == "running")[:_BUSY]})
     record = {
         "roles": roles,
@@ -99,6 +107,12 @@ async def _child(config_json: str, image: str, count: int, out: Path) -> None:
     tasks += [asyncio.create_task(node.sandbox_fork(p, ForkRequest(count=1))) for p in parents]
     tasks += [asyncio.create_task(node.sandbox_pause(s)) for s in pauses]
     tasks += [asyncio.create_task(node.sandbox_destroy(s)) for s in destroys]
+    tasks += [asyncio.create_task(node.sandbox_snapshot(s)) for s in snapshots]
+    loop = "while :; do echo streaming; sleep 0.05; done"
+    tasks += [
+        asyncio.create_task(node.exec(s, ExecRequest(cmd=["sh", "-c", loop], timeout=3600)))
+        for s in streams
+    ]
     for _ in range(5):
         await asyncio.sleep(0)  # let each operation get past its first await
     print("inflight", flush=True)

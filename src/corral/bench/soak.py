@@ -3,12 +3,16 @@ what one run of each test never shows: a leak per cycle, a slower create after h
 database that only grows.
 
 One cycle: create, exec, write a file and read it back, open a shell and run in it, pause
-and resume (every 10th), fork one child and destroy it (every 50th), destroy. Cycles run
+and resume (every 10th), fork one child and destroy it (every 50th), destroy. Every 25th
+sandbox has a network permission (a veth, nft sets and chain of its own; the address it
+may reach is a documentation one, never contacted). Cycles run
 ``concurrency`` at a time on an embedded node. The figures compare tenths of the run by
 cycle index: node RSS and SQLite size at the end of the second tenth against the end of
 the last (the first tenth is warm-up: caches, pools, the first layer mount), create p99 of
 the last tenth against the first. After the last cycle the node is closed and the host
-scanned (host/leaks.py) plus the node's own view (cgroups, subvolumes) before it closes.
+scanned (host/leaks.py) plus the node's own view before it closes: cgroups, subvolumes,
+and the networked sandboxes' veths and entries in the node's nft table (the table itself
+goes with the node, so per-sandbox leftovers are only visible before).
 
 Example::
 
@@ -22,6 +26,7 @@ import asyncio
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,47 @@ def _threads() -> int:
     return sum(1 for t in threading.enumerate() if not t.name.startswith(bounded))
 
 
+_NET_EVERY = 25
+
+
+def _subnet(subtree: str) -> str:
+    """A /24 of 10.219/16 picked by the node's subtree: the default subnet may be another
+    node's on this host, and two soaks at once (two test runs) must not share one."""
+    return f"10.219.{zlib.crc32(subtree.encode()) % 256}.0/24"
+
+
+_PER_VETH = ("veths", "ifaddr", "out")
+"""The node's sets and maps with one element per sandbox veth (node/netrules.py)."""
+
+
+def _net_leftovers(subtree: str, keys: set[str]) -> dict[str, int]:
+    """Host veths (``cv<key>``) and nft entries of the node's table that name one of the
+    networked sandboxes' keys, or any element of its per-veth sets, once every sandbox is
+    gone."""
+    from corral.host.nft import Nft, NftError
+
+    veths = sum(1 for k in keys if Path(f"/sys/class/net/cv{k}").exists())
+    nft = Nft()
+    try:
+        data = nft.json(f"list table inet {subtree}")
+    except NftError:
+        return {"veths": veths, "nft_elements": 0}  # no table: nothing in it
+    finally:
+        nft.close()
+    entries = 0
+    for item in data.get("nftables", []):
+        for kind in ("set", "map", "chain"):
+            obj = item.get(kind)
+            if not isinstance(obj, dict):
+                continue
+            name = str(obj.get("name", ""))
+            if name.split("_", 1)[-1] in keys:
+                entries += 1
+            elif name in _PER_VETH:
+                entries += len(obj.get("elem", []))
+    return {"veths": veths, "nft_elements": entries}
+
+
 def _growth(early: int, late: int) -> float:
     return round((late - early) / early, 4) if early else 0.0
 
@@ -63,11 +109,21 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
     from corral.bench.image import ensure_image
     from corral.images.store import LayerStore
     from corral.node import Node
-    from corral.spec import ExecRequest, ForkRequest, SandboxSpec
+    from corral.policy.network import NetworkConfig, Permission
+    from corral.spec import ExecRequest, ForkRequest, NetworkPolicy, SandboxSpec, sandbox_local
 
     image = await asyncio.to_thread(ensure_image, LayerStore(opts.store_dir), opts.image)
-    node = await Node.open(opts.node_config(concurrency * 2))
+    cfg = opts.node_config(concurrency * 2)
+    cfg.network = NetworkConfig(
+        subnet=_subnet(opts.subtree),
+        upstream=["192.0.2.53"],  # no lookup is made
+        uplinks=[],  # the host's forwarding is left alone
+        permissions={"soak": Permission(cidrs=["192.0.2.1/32"], ports=[80])},
+    )
+    node = await Node.open(cfg)
     spec = SandboxSpec(image=image.info.name, labels={"bench": "soak"})
+    net_spec = spec.model_copy(update={"network": NetworkPolicy(allow=["soak"])})
+    net_keys: set[str] = set()
     create_s: list[float | None] = [None] * cycles
     errors: list[str] = []
     shells = True
@@ -90,9 +146,15 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
 
     async def cycle(i: int) -> None:
         t0 = time.perf_counter()
-        info = await node.sandbox_create(spec)
+        networked = i % _NET_EVERY == 3
+        info = await node.sandbox_create(net_spec if networked else spec)
         create_s[i] = time.perf_counter() - t0
         sid = info.id
+        if networked:
+            net_keys.add(sandbox_local(sid))
+            if not info.address:
+                await node.sandbox_destroy(sid)
+                raise AssertionError("a sandbox with a network permission has no address")
         try:
             r = await node.exec(sid, ExecRequest(cmd=["echo", str(i)]))
             if r.stdout != f"{i}\n".encode():
@@ -150,6 +212,7 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
         view["sandboxes"] = len(left)
         view["node_cgroups"] = len(list(node.cgroups.list()))
         view["subvolumes"] = len(list(node.scratch.subvols()))
+        view.update(await asyncio.to_thread(_net_leftovers, opts.subtree, net_keys))
         # the process's own fds and threads after all sandboxes are gone, against the
         # end of the first tenth (pools and the database are open by then)
         fds_threads["fds"] = max(0, len(os.listdir("/proc/self/fd")) - base.get("fds", 0))
@@ -184,6 +247,7 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
         "rss_mib": {k: round(v[0] / 2**20, 1) for k, v in sorted(samples.items())},
         "db_kib": {k: round(v[1] / 1024, 1) for k, v in sorted(samples.items())},
         "shells": shells,
+        "networked": len(net_keys),
         "wall_s": round(wall, 1),
         "cycles_per_s": round(cycles / wall, 2) if wall else None,
         "error_examples": errors[:10],

@@ -58,11 +58,16 @@ def _loops(prefixes: list[Path]) -> list[str]:
 
 
 def _containers(runtime_roots: list[Path]) -> list[str]:
+    """State of an OCI runtime's containers (a dir each) and corral-launch's records (a
+    file each, host/launch.py; ``.``-names are half-written ones)."""
     out = []
     for root in runtime_roots:
         if root.is_dir():
             for d in root.iterdir():
-                if (d / "state.json").exists() or (d / "status").exists():
+                if root.name == "launch":
+                    if d.is_file() and not d.name.startswith("."):
+                        out.append(f"launch:{d.name}")
+                elif (d / "state.json").exists() or (d / "status").exists():
                     out.append(f"{root.name}:{d.name}")
     return out
 
@@ -145,7 +150,7 @@ def scan(
         "mounts": _mounts(prefixes),
         "cgroups": _cgroups(subtree),
         "loop_devices": _loops(prefixes),
-        "containers": _containers([run_dir / "runc", run_dir / "crun"]),
+        "containers": _containers([run_dir / "runc", run_dir / "crun", run_dir / "launch"]),
         "netns": _netns(netns_prefix),
         "processes": _procs(subtree),
         "fd_holders": fd_holders([run_dir]),
