@@ -322,6 +322,8 @@ static void do_step(char *s)
 				die(f[1]);
 			close(fd);
 			fd = open_in_root(f[1], 0, 0);
+			if (fd < 0)
+				die(f[1]);
 			fdpath(p, sizeof p, fd);
 			remount_bind(p, MS_RDONLY);
 		}
@@ -338,6 +340,8 @@ static void do_step(char *s)
 			die(f[1]);
 		close(fd);
 		fd = open_in_root(f[1], 0, 0);
+		if (fd < 0)
+			die(f[1]);
 		fdpath(p, sizeof p, fd);
 		remount_bind(p, MS_RDONLY);
 		close(fd);
