@@ -450,6 +450,21 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 		_exit(1); /* the launcher died or gave up */
 	close(go);
 	sync_sock = sock;
+	/* The sandbox starts with default signal handling and nothing blocked, whatever the
+	 * node inherited: an ignored disposition survives exec (Python ignores SIGPIPE; a
+	 * node started in the background by a shell ignores SIGINT and SIGQUIT), and every
+	 * guest process would inherit it from the init (`sleep` deaf to ^C, `yes | head`
+	 * never ending on SIGPIPE). runc and crun reset them the same way. */
+	at("signals");
+	sigset_t none;
+	if (sigemptyset(&none) < 0 || sigprocmask(SIG_SETMASK, &none, NULL) < 0)
+		die("unblock signals");
+	for (int sig = 1; sig < NSIG; sig++) {
+		struct sigaction sa = {.sa_handler = SIG_DFL};
+		/* SIGKILL, SIGSTOP and the C library's internal signals refuse: EINVAL. */
+		if (sigaction(sig, &sa, NULL) < 0 && errno != EINVAL)
+			die("reset a signal's disposition");
+	}
 	at("become root");
 	if (setresgid(0, 0, 0) < 0 || setgroups(0, NULL) < 0 || setresuid(0, 0, 0) < 0)
 		die("setresuid/setgroups to the sandbox's root");
