@@ -94,6 +94,21 @@ async def test_capabilities_and_no_new_privs(rt_node) -> None:  # type: ignore[n
     assert st["Groups"] == ""
 
 
+async def test_guest_signals_start_default(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """No ignored or blocked signal of the node reaches the guest: Python ignores SIGPIPE,
+    a shell ignores SIGINT for background jobs, and both would survive exec."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a node started with `&`
+    try:
+        async with sandbox(rt_node) as sid:
+            r = await sh(rt_node, sid, "grep -E '^Sig(Ign|Blk)' /proc/self/status")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    st = _status(r.stdout.decode())
+    assert (st["SigIgn"], st["SigBlk"]) == ("0" * 16, "0" * 16), st
+
+
 async def test_rlimits_oom_score_hostname(rt_node) -> None:  # type: ignore[no-untyped-def]
     async with sandbox(rt_node, hostname="box-7") as sid:
         r = await sh(rt_node, sid, "cat /proc/self/limits; cat /proc/1/oom_score_adj; hostname")
@@ -173,6 +188,44 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     assert "nodev" in root.split()[5]
     init = next(ln for ln in text.splitlines() if ln.split()[4] == "/.corral/init")
     assert set(init.split()[5].split(",")) >= {"ro", "nosuid", "nodev"}
+
+
+async def test_masked_dirs_are_binds_of_the_empty_init_dir(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Masked directories are read-only binds of one empty directory on the init tmpfs
+    (oci.masks_as_binds), not a tmpfs each; masked files stay /dev/null binds."""
+    from corral.backends.oci import masks_as_binds
+    from corral.host.initfs import EMPTY
+
+    backend = rt_node.backends.get("container")
+    mask_dir = backend.init_path.parent / EMPTY
+    dirs = [m["destination"] for m in masks_as_binds(mask_dir)]
+    assert dirs, "no masked path is a directory on this kernel"
+    assert os.listdir(mask_dir) == []
+    async with sandbox(rt_node) as sid:
+        text = (await sh(rt_node, sid, "cat /proc/self/mountinfo")).stdout.decode()
+        writes = await sh(
+            rt_node, sid, " ".join(f"touch {d}/x 2>/dev/null && echo WROTE {d};" for d in dirs)
+        )
+    by_point = {ln.split()[4]: ln.split() for ln in text.splitlines()}
+    init_dev = by_point["/.corral/init"][2]
+    for d in dirs:
+        f = by_point[d]
+        # Same superblock as the init's bind (the init tmpfs), its root the empty dir, ro.
+        assert (f[2], f[3]) == (init_dev, f"/{EMPTY}"), f
+        assert "ro" in f[5].split(","), f
+    assert "WROTE" not in writes.stdout.decode()
+    # No per-sandbox tmpfs under /proc or /sys (the old way of masking a directory).
+    tmpfs_masks = [
+        p
+        for p, f in by_point.items()
+        if p.startswith(("/proc/", "/sys/"))
+        and p != "/sys/fs/cgroup"
+        and "tmpfs" in f
+        and f[3] == "/"
+    ]
+    assert tmpfs_masks == [], tmpfs_masks
+    null_dev = by_point["/dev/null"][2]
+    assert by_point["/proc/kpagecgroup"][2] == null_dev
 
 
 async def test_dev_contents(rt_node) -> None:  # type: ignore[no-untyped-def]
