@@ -46,6 +46,12 @@ def _cfg(**kw):  # type: ignore[no-untyped-def]
     return node_config(state_dir=STATE, run_dir=RUN, cgroup_subtree=SUBTREE, **kw)
 
 
+def _start_name(runtime: object) -> str:
+    """The method that starts a container: the launcher's ``start`` or the OCI runtime's
+    ``run_detached`` (the tests below hook it)."""
+    return "start" if getattr(runtime, "name", "") == "launch" else "run_detached"
+
+
 def _spec(image: str = "test/busybox", **kw) -> SandboxSpec:  # type: ignore[no-untyped-def]
     return SandboxSpec(image=image, limits=kw.pop("limits", SMALL), **kw)
 
@@ -128,13 +134,15 @@ async def test_concurrent_destroys(rnode: Node) -> None:
 async def test_destroy_while_creating(rnode: Node) -> None:
     """A destroy of a sandbox still being created waits for the create, then wins."""
     gate = asyncio.Event()
-    orig = rnode.backend.runtime.run_detached
+    rt = rnode.backend.runtime
+    name = _start_name(rt)
+    orig = getattr(rt, name)
 
     async def held(*a, **kw):  # type: ignore[no-untyped-def]
         await gate.wait()
-        await orig(*a, **kw)
+        return await orig(*a, **kw)
 
-    rnode.backend.runtime.run_detached = held  # type: ignore[method-assign]
+    setattr(rt, name, held)
     try:
         create = asyncio.create_task(rnode.sandbox_create(_spec()))
         while not (listed := await rnode.sandbox_list()):
@@ -149,7 +157,7 @@ async def test_destroy_while_creating(rnode: Node) -> None:
         assert info.id == sid
         results = await asyncio.gather(*destroys, return_exceptions=True)
     finally:
-        rnode.backend.runtime.run_detached = orig  # type: ignore[method-assign]
+        setattr(rt, name, orig)
     assert sum(r is None for r in results) == 1, results
     assert all(r is None or isinstance(r, (Conflict, SandboxNotFound)) for r in results)
     assert await rnode.sandbox_list() == []
@@ -516,7 +524,9 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
     """A create cancelled while the runtime is starting the container must not leave that
     container running untracked (it did, about 1 in 20 times, before run_detached waited
     for the runtime it started)."""
-    orig = rnode.backend.runtime.run_detached
+    rt = rnode.backend.runtime
+    name = _start_name(rt)
+    orig = getattr(rt, name)
     delay = 0.0
 
     async def cut_short(*a, **kw):  # type: ignore[no-untyped-def]
@@ -526,9 +536,9 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
             await job
             raise asyncio.CancelledError
         job.cancel()
-        await job
+        return await job
 
-    rnode.backend.runtime.run_detached = cut_short  # type: ignore[method-assign]
+    setattr(rt, name, cut_short)
     try:
         for k in range(40):
             delay = 0.002 + (k % 20) * 0.001
@@ -541,7 +551,7 @@ async def test_create_cancelled_mid_run_leaves_nothing(rnode: Node) -> None:
             assert [c["id"] for c in await rnode.backend.runtime.list()] == []
             assert _dirs(rnode) == set()
     finally:
-        rnode.backend.runtime.run_detached = orig  # type: ignore[method-assign]
+        setattr(rt, name, orig)
 
 
 async def test_exec_outlives_close(images_ready) -> None:
@@ -610,12 +620,14 @@ async def main(mode):
             return p
         n.scratch.create_subvol = stuck
     else:
-        orig = n.backend.runtime.run_detached
+        rt = n.backend.runtime
+        name = "start" if rt.name == "launch" else "run_detached"
+        orig = getattr(rt, name)
         async def stuck(*a, **kw):
             await orig(*a, **kw)
             print("stuck", flush=True)
             await asyncio.sleep(3600)
-        n.backend.runtime.run_detached = stuck
+        setattr(rt, name, stuck)
     await n.sandbox_create(SandboxSpec(image="test/busybox", limits=SMALL))
 
 asyncio.run(main(sys.argv[1]))
@@ -844,6 +856,11 @@ async def test_destroy_never_kills_a_reused_pid(images_ready) -> None:
         while n.backend.alive(info.id):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
+        if n.backend.runtime.name == "launch":
+            from corral.host.launch import _start_time
+
+            rec = n.backend.runtime.root / info.id
+            rec.write_text(f"{bystander.pid} {_start_time(bystander.pid)}\n")
         for name in ("state.json", "status"):
             f = n.backend.runtime.root / info.id / name
             if f.exists():
