@@ -302,12 +302,13 @@ class ContainerBackend:
             # root filesystem: here ext4 without a journal, whose inode allocator rescans
             # recently deleted inodes (~0.3-0.6 ms per new file under create/destroy churn).
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
-            if base is None:
-                self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
-            else:
-                # A snapshot commits a btrfs transaction (2-10 ms): off the event loop, so
-                # the other children of a fork go on starting meanwhile.
-                await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
+            with phases.phase("rootfs"):  # the writable layer: part of the rootfs's cost
+                if base is None:
+                    self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+                else:
+                    # A snapshot commits a btrfs transaction (2-10 ms): off the event loop,
+                    # so the other children of a fork go on starting meanwhile.
+                    await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
         else:
             d.mkdir(mode=0o711)
             undo.append(lambda: remove_sandbox_dir(d))
@@ -447,8 +448,15 @@ class ContainerBackend:
         assert isinstance(self.runtime, Launcher)
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
-        procs, cpu_procs = launcher.make_cgroup(sandbox_id, config["linux"]["resources"], latency)
-        undo.append(lambda: self._remove_cgroup(sandbox_id))  # after its killed tasks left
+        # In runtime_start, as the OCI runtime's cgroup setup is: the phases compare.
+        with phases.phase("runtime_start"):
+            # Patient (EBUSY retried, off the event loop): the killed processes of a
+            # cancelled best-effort create leave their cgroup only once their exits get
+            # idle CPU; a 1 s wait left the cgroup behind under load.
+            undo.append(lambda: self._remove_cgroup(sandbox_id))
+            procs, cpu_procs = launcher.make_cgroup(
+                sandbox_id, config["linux"]["resources"], latency
+            )
         undo.append(lambda: launcher.delete(sandbox_id, force=True))
         with phases.phase("runtime_start"):
             pid = await launcher.start(
