@@ -451,10 +451,10 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 	close(go);
 	sync_sock = sock;
 	/* The sandbox starts with default signal handling and nothing blocked, whatever the
-	 * node inherited: an ignored disposition survives exec (Python ignores SIGPIPE; a
-	 * node started in the background by a shell ignores SIGINT and SIGQUIT), and every
-	 * guest process would inherit it from the init (`sleep` deaf to ^C, `yes | head`
-	 * never ending on SIGPIPE). runc and crun reset them the same way. */
+	 * node inherited: an ignored disposition survives exec (Python ignores SIGPIPE and
+	 * SIGXFSZ; a node started in the background by a shell ignores SIGINT and SIGQUIT),
+	 * and the init would keep it (corral-init resets its children's signals, not its
+	 * own). crun resets them the same way. */
 	at("signals");
 	sigset_t none;
 	if (sigemptyset(&none) < 0 || sigprocmask(SIG_SETMASK, &none, NULL) < 0)
