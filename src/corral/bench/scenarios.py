@@ -233,10 +233,13 @@ async def _create_n(
     return await many(n, concurrency, op)
 
 
-async def _create_phases(client: AsyncClient, label: str) -> dict[str, dict[str, float]]:
-    """The node's own timing of the creates labelled ``label``, per phase (p50, p99, mean
-    in ms): where a create's time goes (runtime_start, init_ready, rootfs, layer_mounts)."""
-    st = await client.stats(labels={"corral-bench": label})
+async def _create_phases(
+    client: AsyncClient, label: str, since: float
+) -> dict[str, dict[str, float]]:
+    """The node's own timing of the creates labelled ``label`` since ``since`` (a reused
+    state dir keeps earlier runs' timings), per phase (p50, p99, mean in ms): where a
+    create's time goes (runtime_start, init_ready, rootfs, layer_mounts)."""
+    st = await client.stats(labels={"corral-bench": label}, since=since)
     op = st.ops.get("create")
     if op is None:
         return {}
@@ -281,8 +284,9 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
             sbs: list[Sandbox] = []
             try:
                 say(f"corral: {count} creates at concurrency {concurrency}")
+                since = time.time()
                 t = await _create_n(client, img, count, concurrency, sbs, True, "create")
-                out["phases_ms"] = await _create_phases(client, "create")
+                out["phases_ms"] = await _create_phases(client, "create", since)
                 # Serial creates vary by several ms here: 100 of each (interleaved in
                 # blocks) resolve a 2% difference where 20 did not.
                 say(f"corral: metrics on/off, {min(count, 100)} serial creates each")
