@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -137,9 +138,15 @@ def masks_as_binds(mask_dir: Path) -> list[dict[str, Any]]:
             "source": str(mask_dir),
             "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
         }
-        for p in MASKED_PATHS
-        if os.path.isdir(p) and not os.path.islink(p)
+        for p in _dirs_among(tuple(MASKED_PATHS))
     ]
+
+
+@functools.cache
+def _dirs_among(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``paths`` that are directories (not symlinks) on this host's kernel: the
+    same for the node's whole life, so asked once, not ~50 stats per create."""
+    return tuple(p for p in paths if os.path.isdir(p) and not os.path.islink(p))
 
 
 def tmpfs_mounts(tmpfs: dict[str, int]) -> list[dict[str, Any]]:
