@@ -10,11 +10,18 @@ from tests.redteam.conftest import new_canary, out, run
 PS = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
 
 
+async def _until_running(sb, cmdline: str) -> None:  # type: ignore[no-untyped-def]
+    """Wait until a process of ``sb`` reads ``cmdline``: spawn returns once the init forked,
+    and until its exec the child still reads /.corral/init."""
+    async with asyncio.timeout(30):
+        while cmdline not in (await run(sb, PS)).stdout.decode():
+            await asyncio.sleep(0.01)
+
+
 async def test_neighbour_processes_invisible(guest, neighbour):  # type: ignore[no-untyped-def]
     marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(999) + 1}"
     await neighbour.spawn(["sleep", marker])
-    r = await run(neighbour, PS)
-    assert f"sleep {marker}" in r.stdout.decode(), out(r)  # it runs
+    await _until_running(neighbour, f"sleep {marker}")  # it runs
     r = await run(guest, PS + "; ls /proc | grep -c '^[0-9]'")
     assert marker not in r.stdout.decode(), out(r)
     # the guest sees only its init, bash and the loop's processes
@@ -74,6 +81,7 @@ async def test_kill_all_reaches_only_own_namespace(guest, neighbour):  # type: i
     guest's ``kill -9 -1`` from reaching the neighbour."""
     marker = f"{secrets.randbelow(10**6) + 1000}.{secrets.randbelow(999) + 1}"
     await neighbour.spawn(["sleep", marker])
+    await _until_running(neighbour, f"sleep {marker}")
     r = await run(guest, "kill -9 -1; echo sent", timeout=10)
     r = await run(neighbour, PS)
     assert f"sleep {marker}" in r.stdout.decode(), out(r)
