@@ -115,6 +115,17 @@ async def test_guest_signals_start_default(rt_node) -> None:  # type: ignore[no-
     assert st["SigBlk"] == "0" * 16, st
 
 
+async def test_init_has_a_session_of_its_own(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """The sandbox's init is in neither the node's process group nor its session: a signal
+    to the node's group (a terminal's Ctrl-C, Ray killing an agent worker's group) must
+    not reach the sandbox."""
+    async with sandbox(rt_node) as sid:
+        pid = rt_node.backends.get("container").init_pid(sid)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        pgid, session = int(fields[2]), int(fields[3])
+    assert pgid != os.getpgid(0) and session != os.getsid(0), (pgid, session)
+
+
 async def test_rlimits_oom_score_hostname(rt_node) -> None:  # type: ignore[no-untyped-def]
     async with sandbox(rt_node, hostname="box-7") as sid:
         r = await sh(rt_node, sid, "cat /proc/self/limits; cat /proc/1/oom_score_adj; hostname")

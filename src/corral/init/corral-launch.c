@@ -465,6 +465,12 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 		if (sigaction(sig, &sa, NULL) < 0 && errno != EINVAL)
 			die("reset a signal's disposition");
 	}
+	/* A session of its own: sharing the node's process group, the sandbox would get
+	 * whatever is sent to that group (a terminal's Ctrl-C to `corral node serve`, Ray
+	 * killing an agent worker's group), and a SIGKILL there ended every sandbox. */
+	at("session");
+	if (setsid() < 0)
+		die("setsid");
 	at("become root");
 	if (setresgid(0, 0, 0) < 0 || setgroups(0, NULL) < 0 || setresuid(0, 0, 0) < 0)
 		die("setresuid/setgroups to the sandbox's root");
