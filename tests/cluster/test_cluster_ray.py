@@ -228,7 +228,14 @@ async def test_control_plane_restart_rebuilds_nodes_and_jobs(raycorral: LocalRay
             ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE), no_restart=False)
 
             async def rebuilt() -> bool:
+                # ray.kill returns before the old actor is gone, and the old one still
+                # knows the job: only the new one says job_rebuilt (its own events)
                 try:
+                    evs = await client.jobs.events()
+                    if not any(
+                        e.kind == "job_rebuilt" and e.detail.get("job") == "rl-cp" for e in evs
+                    ):
+                        return False
                     st = await client.jobs.state("rl-cp")
                 except Exception:
                     return False
