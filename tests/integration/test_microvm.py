@@ -5,6 +5,7 @@ cache kept between runs (/var/cache/corral-test-microvm)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,10 @@ async def vmnode(images_ready, hosts):  # type: ignore[no-untyped-def]
     assert_no_leaks(STATE, RUN, SUBTREE)
 
 
+# this module's state dirs: corral-test{TAG}-vm{suffix}/, not another run's tag
+_MINE = re.compile(rb"corral-test" + re.escape(TAG.encode()) + rb"-vm[a-z0-9]*/")
+
+
 def _vmm_procs() -> list[int]:
     """QEMU processes whose command line names this module's state dirs."""
     out = []
@@ -62,7 +67,7 @@ def _vmm_procs() -> list[int]:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue
-        if cmd.startswith(b"qemu-system") and b"corral-test" + TAG.encode() + b"-vm/" in cmd:
+        if cmd.startswith(b"qemu-system") and _MINE.search(cmd):
             out.append(int(p))
     return out
 
