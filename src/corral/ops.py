@@ -154,6 +154,12 @@ class SandboxOps(Protocol):
         swap (returns once the reads are started)."""
         ...
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        """The sandbox now expires ``ttl`` seconds from now (None: never), recorded so the
+        new deadline holds over a restart of the node; a paused sandbox keeps pausing.
+        Returns the sandbox with its new ``expires_at``."""
+        ...
+
     # network policy
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None

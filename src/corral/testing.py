@@ -267,6 +267,15 @@ class FakeNode(NodeOps):
         if unknown:
             raise InvalidRequest(f"network: unknown permission {', '.join(map(repr, unknown))}")
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        if ttl is not None and not ttl > 0:
+            raise InvalidRequest(f"ttl: {ttl!r} is not a positive number of seconds")
+        sb = self._sb(sandbox_id, wake=False)
+        expires_at = None if ttl is None else time.time() + ttl
+        sb.info = sb.info.model_copy(update={"expires_at": expires_at})
+        self._event(sandbox_id, "ttl_set", expires_at=str(expires_at or ""))
+        return sb.info
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:

@@ -141,6 +141,12 @@ class NetworkUpdateRequest(_Body):
     deny: list[str] | None = None
 
 
+class TtlRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/ttl``: seconds from now, or null for no TTL."""
+
+    ttl: float | None = Field(gt=0)
+
+
 class SnapshotRequest(_Body):
     """Body of ``POST /v1/sandboxes/{id}/snapshot``."""
 
@@ -457,6 +463,11 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         prefetch: bool = Query(False, description="also read their memory back from swap"),
     ) -> Response:
         return _json_list(await ops.sandboxes_resume(_parse_labels(label) or {}, prefetch))
+
+    @r.post(sb + "/ttl", response_model=SandboxInfo, tags=["sandboxes"])
+    async def sandbox_set_ttl(sandbox_id: str, body: TtlRequest) -> Response:
+        """Expire the sandbox ``ttl`` seconds from now (null: never); survives a restart."""
+        return _json(await ops.sandbox_set_ttl(sandbox_id, body.ttl))
 
     @r.post(sb + "/network", response_model=SandboxInfo, tags=["sandboxes"])
     async def network_update(sandbox_id: str, body: NetworkUpdateRequest) -> Response:

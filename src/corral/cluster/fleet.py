@@ -395,6 +395,9 @@ class FleetClient(NodeOps):
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         return await self._route(sandbox_id).sandbox_resume(sandbox_id, prefetch)
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        return await self._route(sandbox_id).sandbox_set_ttl(sandbox_id, ttl)
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:

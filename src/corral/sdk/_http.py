@@ -245,6 +245,10 @@ class HTTPOps(NodeOps):
         resp = await self._call("POST", "/sandboxes/resume", params=params)
         return _Sandboxes.validate_json(resp.content)
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        resp = await self._call("POST", self._sb(sandbox_id, "/ttl"), json={"ttl": ttl})
+        return SandboxInfo.model_validate_json(resp.content)
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:

@@ -636,6 +636,13 @@ class BlockingSandbox(_Handle):
     def destroy(self) -> None:
         self._portal.call(self._obj.destroy())
 
+    def set_ttl(self, seconds: float | None) -> SandboxInfo:
+        """Destroy the sandbox ``seconds`` from now (None: no TTL), replacing the TTL it
+        was created with, earlier or later; the node records it, so it holds over a
+        restart of the node.
+        """
+        return self._portal.call(self._obj.set_ttl(seconds))
+
     def pause(self, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze every process and move the sandbox's memory to swap; all state stays.
         Any later request (exec, files, shell) resumes it first, or call ``resume``.

@@ -8,9 +8,12 @@ Every answer that is an error is ``{"code", "message"}`` with the status E2B use
 SDK maps to its exceptions; a node at capacity answers 429 with ``Retry-After``.
 
 E2B metadata lives in labels (``e2b.m.<key>``), so a list filters with corral's own label
-matching and nothing extra is stored. The E2B timeout is a deadline this module keeps in
-memory and enforces (``set_timeout`` may extend it, which corral's TTL cannot); the corral
-TTL of an E2B sandbox is ``max_timeout``, a backstop that still holds after a restart.
+matching and nothing extra is stored. The E2B timeout is the sandbox's corral TTL: create
+sets it, ``set_timeout``/``refresh``/``connect`` move it (``NodeOps.sandbox_set_ttl``), and
+the node records it and its reaper destroys the sandbox at it, also after a restart of the
+node. Only ``autoPause`` sandboxes (paused, not destroyed, at the timeout) keep their
+deadline in this module's memory (:class:`PauseDeadlines`); their corral TTL is
+``max_timeout``, the backstop that holds after a restart.
 """
 
 from __future__ import annotations
@@ -85,22 +88,23 @@ def _egress(body: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
     return allow, deny
 
 
-class Deadlines:
-    """E2B deadlines of this node's E2B sandboxes, and the task that enforces them."""
+class PauseDeadlines:
+    """Deadlines of this node's ``autoPause`` E2B sandboxes (E2B's
+    ``lifecycle={"on_timeout": "pause"}``): the deadline pauses the sandbox, ``connect``
+    resumes it. Kept in memory: the reaper only destroys, so after a restart of the node
+    such a sandbox runs until its corral TTL (``max_timeout``) ends it."""
 
     def __init__(self, ops: NodeOps) -> None:
         self._ops = ops
         self._end: dict[str, float] = {}
-        self._pause: set[str] = set()
-        """Sandboxes created with ``autoPause``: paused at their deadline, not killed."""
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
-    def get(self, info: SandboxInfo, default: int) -> float:
-        end = self._end.get(info.id)
-        if end is None:  # not created through this process (a restart): the TTL rules
-            end = info.expires_at or info.created_at + default
-        return end
+    def __contains__(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._end
+
+    def get(self, sandbox_id: str) -> float | None:
+        return self._end.get(sandbox_id)
 
     def set(self, sandbox_id: str, seconds: float) -> float:
         end = time.time() + seconds
@@ -111,39 +115,27 @@ class Deadlines:
             self._task = asyncio.get_running_loop().create_task(self._reap())
         return end
 
-    def extend(self, sandbox_id: str, seconds: float) -> None:
-        """Set the deadline ``seconds`` from now unless it is already later (E2B's connect
-        to a running sandbox)."""
-        if self._end.get(sandbox_id, 0.0) < time.time() + seconds:
-            self.set(sandbox_id, seconds)
-
-    def pause_at_end(self, sandbox_id: str) -> None:
-        """E2B's ``autoPause`` (``lifecycle={"on_timeout": "pause"}``): the deadline
-        pauses the sandbox; ``connect`` resumes it."""
-        self._pause.add(sandbox_id)
-
     def forget(self, sandbox_id: str) -> None:
         self._end.pop(sandbox_id, None)
-        self._pause.discard(sandbox_id)
 
     async def _reap(self) -> None:
         while self._end:
             now = time.time()
             due = [sid for sid, end in self._end.items() if end <= now]
             for sid in due:
-                self._end.pop(sid, None)
                 try:
-                    if sid in self._pause:
-                        await self._ops.sandbox_pause(sid)
-                    else:
-                        await self._ops.sandbox_destroy(sid)
+                    await self._ops.sandbox_pause(sid)
                 except NotFound:
-                    pass
+                    self._end.pop(sid, None)
                 except CorralError as exc:
-                    log.warning("e2b: ending %s at its timeout failed: %s", sid, exc)
-            if not self._end:
+                    log.warning("e2b: pausing %s at its timeout failed: %s", sid, exc)
+                # kept (past): connect sets a new deadline; a restart forgets it
+                if sid in self._end and self._end[sid] <= now:
+                    self._end[sid] = float("inf")
+            live = [e for e in self._end.values() if e != float("inf")]
+            if not live:
                 return
-            wait = max(0.05, min(self._end.values()) - time.time())
+            wait = max(0.05, min(live) - time.time())
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), wait)
@@ -158,7 +150,7 @@ class ControlPlane:
         self.ops = ops
         self.token = token
         self.config = config
-        self.deadlines = Deadlines(ops)
+        self.auto_pause = PauseDeadlines(ops)
         sb = "/sandboxes/{sandbox_id}"
         self.app = Router(
             routes=[
@@ -251,11 +243,28 @@ class ControlPlane:
             out["envdAccessToken"] = tok
         return out
 
+    def _end_at(self, info: SandboxInfo) -> float:
+        end = self.auto_pause.get(info.id) or info.expires_at
+        if end is None or end == float("inf"):  # no TTL (not created here), or paused
+            end = info.created_at + self.config.max_timeout
+        return end
+
+    async def _set_timeout(self, info: SandboxInfo, seconds: int, extend: bool = False) -> None:
+        """End (or for ``autoPause``, pause) the sandbox ``seconds`` from now; with
+        ``extend`` only if that is later than now (E2B's connect to a running sandbox)."""
+        seconds = max(seconds, 1)  # E2B's 0 ends it at once; corral's TTL is > 0
+        if info.id in self.auto_pause:
+            cur = self.auto_pause.get(info.id) or 0.0
+            if not extend or cur == float("inf") or cur < time.time() + seconds:
+                self.auto_pause.set(info.id, seconds)
+        elif not extend or (info.expires_at or 0.0) < time.time() + seconds:
+            await self.ops.sandbox_set_ttl(info.id, seconds)
+
     def _detail(self, info: SandboxInfo) -> dict[str, Any]:
         out = self._created(info)
         out.update(
             startedAt=_iso(info.created_at),
-            endAt=_iso(self.deadlines.get(info, self.config.default_timeout)),
+            endAt=_iso(self._end_at(info)),
             cpuCount=max(1, int(info.spec.limits.cpus)),
             memoryMB=info.spec.limits.memory >> 20,
             diskSizeMB=info.spec.limits.disk >> 20,
@@ -282,7 +291,8 @@ class ControlPlane:
                 e2b_error(404, f"template '{template}' not found (no corral image {image!r})"),
                 404,
             )
-        timeout = self._timeout(body, self.config.default_timeout)
+        default = self.config.default_timeout
+        timeout = self._timeout(body, default)
         for key in ("mcp", "iam", "volumeMounts"):
             if body.get(key):
                 raise InvalidRequest(f"{key} cannot be expressed on corral (not supported)")
@@ -306,7 +316,7 @@ class ControlPlane:
                 image=image,
                 labels=labels,
                 env={str(k): str(v) for k, v in env.items()},
-                ttl=self.config.max_timeout,
+                ttl=self.config.max_timeout if auto_pause else (timeout or default),
                 limits=Limits(cpus=self.config.cpus, memory=self.config.memory),
             )
         except ValueError as exc:
@@ -323,8 +333,7 @@ class ControlPlane:
             await self.ops.sandbox_destroy(info.id)
             raise
         if auto_pause:
-            self.deadlines.pause_at_end(info.id)
-        self.deadlines.set(info.id, timeout or self.config.default_timeout)
+            self.auto_pause.set(info.id, timeout or default)
         return JSONResponse(self._created(info), 201)
 
     async def _ensure_user(self, sandbox_id: str) -> None:
@@ -429,23 +438,22 @@ class ControlPlane:
         sid = request.path_params["sandbox_id"]
         await self._e2b_sandbox(sid)
         await self.ops.sandbox_destroy(sid)
-        self.deadlines.forget(sid)
+        self.auto_pause.forget(sid)
         return Response(status_code=204)
 
     async def timeout(self, request: Request) -> Response:
-        sid = request.path_params["sandbox_id"]
-        await self._e2b_sandbox(sid)
+        info = await self._e2b_sandbox(request.path_params["sandbox_id"])
         t = self._timeout(await self._body(request), None)
         if t is None:
             raise InvalidRequest("timeout: required")
-        self.deadlines.set(sid, t)
+        await self._set_timeout(info, t)
         return Response(status_code=204)
 
     async def refresh(self, request: Request) -> Response:
-        sid = request.path_params["sandbox_id"]
-        await self._e2b_sandbox(sid)
+        info = await self._e2b_sandbox(request.path_params["sandbox_id"])
         body = await self._body(request)
-        self.deadlines.set(sid, self._timeout({"timeout": body.get("duration", 60)}, None) or 60)
+        t = self._timeout({"timeout": body.get("duration", 60)}, None)
+        await self._set_timeout(info, t or 60)
         return Response(status_code=204)
 
     async def pause(self, request: Request) -> Response:
@@ -464,10 +472,8 @@ class ControlPlane:
         if info.state in ("paused", "pausing"):
             info = await self.ops.sandbox_resume(sid)
             status = 201
-        if t is not None and status == 201:
-            self.deadlines.set(sid, t)
-        elif t is not None:
-            self.deadlines.extend(sid, t)
+        if t is not None:
+            await self._set_timeout(info, t, extend=status != 201)
         return JSONResponse(self._created(info), status)
 
     async def resume(self, request: Request) -> Response:
@@ -516,11 +522,10 @@ class ControlPlane:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 100:
             raise InvalidRequest(f"count: {count!r} is not from 1 to 100")
         try:
-            children = await self.ops.sandbox_fork(sid, ForkRequest(count=count))
+            req = ForkRequest(count=count, ttl=timeout or self.config.default_timeout)
+            children = await self.ops.sandbox_fork(sid, req)
         except CapacityError as exc:
             return self._error(exc)
-        for child in children:
-            self.deadlines.set(child.id, timeout or self.config.default_timeout)
         return JSONResponse([{"sandbox": self._created(c)} for c in children], 201)
 
     async def network(self, request: Request) -> Response:
