@@ -614,8 +614,10 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         path: str,
         parents: bool = True,
         mode: int = Query(0o755, ge=0, le=0o7777),
+        owner_uid: int = Query(0, ge=0, description="owner of what it creates (guest uid)"),
+        owner_gid: int = Query(0, ge=0, description="its group (guest gid)"),
     ) -> Response:
-        await ops.file_mkdir(sandbox_id, path, parents=parents, mode=mode)
+        await ops.file_mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
         return Response(status_code=204)
 
     @r.put(sb + "/files/tar", status_code=204, openapi_extra=_RAW_BODY, tags=["files"])

@@ -484,9 +484,16 @@ class FleetClient(NodeOps):
         await self._route(sandbox_id).file_remove(sandbox_id, path, recursive)
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self._route(sandbox_id).file_mkdir(sandbox_id, path, parents, mode)
+        node = self._route(sandbox_id)
+        await node.file_mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self._route(sandbox_id).file_upload_tar(sandbox_id, path, data)

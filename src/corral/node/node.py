@@ -540,9 +540,15 @@ class Node:
         await self.files.remove(sandbox_id, path, recursive)
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self.files.mkdir(sandbox_id, path, parents, mode)
+        await self.files.mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self.files.upload_tar(sandbox_id, path, data)

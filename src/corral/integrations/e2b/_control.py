@@ -50,7 +50,7 @@ from corral.integrations.e2b._common import (
     token_ok,
 )
 from corral.ops import NodeOps
-from corral.spec import ExecRequest, ForkRequest, Limits, SandboxInfo, SandboxSpec
+from corral.spec import ForkRequest, Limits, SandboxInfo, SandboxSpec
 
 log = logging.getLogger("corral.e2b")
 
@@ -62,6 +62,15 @@ def _iso(t: float) -> str:
 def _has_entry(table: bytes, name: str) -> bool:
     """Whether a passwd/group file has an entry for ``name``."""
     return any(line.startswith(f"{name}:".encode()) for line in table.splitlines())
+
+
+def _ids_of(passwd: bytes, name: str) -> tuple[int, int] | None:
+    """The uid and gid of ``name`` in a passwd file; None if it has no (usable) entry."""
+    for line in passwd.splitlines():
+        f = line.split(b":")
+        if f[0] == name.encode() and len(f) >= 4 and f[2].isdigit() and f[3].isdigit():
+            return int(f[2]), int(f[3])
+    return None
 
 
 def _egress(body: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
@@ -338,33 +347,31 @@ class ControlPlane:
 
     async def _ensure_user(self, sandbox_id: str) -> None:
         """Add the default account where the image has none (E2B images have ``user``,
-        uid 1000, home /home/user). The passwd/group lines and the home are files calls
-        on the host side, no process in the guest; one exec of ``chown`` hands the home
-        to the account (the files API creates as root). A shell script doing all of it
-        cost ~80 ms of a ~180 ms E2B create; an image built with the account and its
-        home skips everything but two reads."""
+        uid 1000, home /home/user). All of it is files calls on the host side, no process
+        in the guest: the passwd/group lines are appended, and the home is made already
+        owned by the account (the files API's owner, so no ``chown`` exec: that exec was
+        ~half of what this cost). The reads go concurrently; an image built with the
+        account and its home costs two reads and a stat."""
         user = self.config.default_user
         if user == "root":
             return
         sid, home = sandbox_id, home_of(user)
-        passwd = await self._read(sid, "/etc/passwd")
-        has_user = _has_entry(passwd, user)
-        if has_user and await self._exists(sid, home):
-            return
-        if not has_user:
-            shell = "/bin/bash" if await self._exists(sid, "/bin/bash") else "/bin/sh"
+        passwd, group, has_bash = await asyncio.gather(
+            self._read(sid, "/etc/passwd"),
+            self._read(sid, "/etc/group"),
+            self._exists(sid, "/bin/bash"),
+        )
+        ids = _ids_of(passwd, user)
+        if ids is None:
+            shell = "/bin/bash" if has_bash else "/bin/sh"
+            ids = (1000, 1000)
             line = f"{user}:x:1000:1000:{user}:{home}:{shell}"
             await self._append_line(sid, "/etc/passwd", passwd, line)
-            group = await self._read(sid, "/etc/group")
             if not _has_entry(group, user):
                 await self._append_line(sid, "/etc/group", group, f"{user}:x:1000:")
-        await self.ops.file_mkdir(sid, home, parents=True)
-        res = await self.ops.exec(sid, ExecRequest(cmd=["chown", user, home], user="0"))
-        if res.exit_code != 0:
-            raise CorralError(
-                f"could not hand {home} to the E2B account {user!r}: "
-                f"{res.stderr.decode(errors='replace').strip()}"
-            )
+        elif await self._exists(sid, home):
+            return
+        await self.ops.file_mkdir(sid, home, True, 0o755, ids[0], ids[1])
 
     async def _read(self, sandbox_id: str, path: str) -> bytes:
         try:
