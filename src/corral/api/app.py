@@ -327,9 +327,11 @@ def create_app(
     token: str | None = None,
     max_body: int = 1 << 30,
     e2b: E2BConfig | None = None,
+    e2b_enabled: bool = True,
 ) -> FastAPI:
     """Build the API app over ``ops``. ``token``: require ``Authorization: Bearer``.
-    ``e2b``: how the E2B API maps onto the node (default: :func:`e2b_config` of ``ops``)."""
+    ``e2b``: how the E2B API maps onto the node (default: :func:`e2b_config` of ``ops``);
+    ``e2b_enabled=False`` serves corral's API only (E2B paths are then corral's 404s)."""
     app = FastAPI(
         title="corral node API",
         version=_version(),
@@ -377,6 +379,8 @@ def create_app(
     app.add_middleware(_CatchAll)
     if token:
         app.add_middleware(_BearerAuth, token=token)
+    if not e2b_enabled:
+        return app
     # E2B's control plane and envd (their own auth: X-API-KEY, X-Access-Token); outermost
     app.add_middleware(
         E2BGateway,
