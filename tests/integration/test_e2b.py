@@ -640,7 +640,7 @@ async def test_timeout_survives_a_node_restart(
 ) -> None:
     """The E2B timeout is the corral TTL the node records: ``set_timeout`` (longer or
     shorter than the create's) holds after the node agent restarts, and the restarted
-    node's reaper destroys the sandbox at it."""
+    node's reaper destroys the sandbox at it, or pauses an ``autoPause`` one."""
     from tests.integration.conftest import node_config
 
     state, run, subtree = Path(f"{STATE}-rs"), Path(f"{RUN}-rs"), f"{SUBTREE}-rs"
@@ -656,6 +656,11 @@ async def test_timeout_survives_a_node_restart(
             await longer.set_timeout(900)
             shorter = await AsyncSandbox.create("test/debian", timeout=600)
             await shorter.set_timeout(2)
+            auto = await AsyncSandbox.create(
+                "test/debian", timeout=600, lifecycle={"on_timeout": "pause"}
+            )
+            await auto.commands.run("echo kept > /tmp/state")
+            await auto.set_timeout(2)
         kept = (await first.sandbox_get(longer.sandbox_id)).expires_at
         assert kept is not None
     finally:
@@ -672,6 +677,19 @@ async def test_timeout_survives_a_node_restart(
         assert (await second.sandbox_get(shorter.sandbox_id)).state == "destroyed"
         kinds = [e.kind for e in await second.events(sandbox_id=shorter.sandbox_id)]
         assert "ttl_expired" in kinds, kinds
+        for _ in range(1200):  # paused by the reaper, then its TTL cleared: kept
+            got = await second.sandbox_get(auto.sandbox_id)
+            if got.state == "paused" and got.expires_at is None:
+                break
+            await asyncio.sleep(0.1)
+        assert (got.state, got.expires_at) == ("paused", None)
+        async with NodeServer(second, host="127.0.0.1", port=0, token=TOKEN) as srv:
+            monkeypatch.setenv("E2B_API_URL", srv.address)
+            monkeypatch.setenv("E2B_SANDBOX_URL", srv.address)
+            again = await AsyncSandbox.connect(auto.sandbox_id, timeout=60)
+            assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
+            info = await second.sandbox_get(auto.sandbox_id)
+            assert info.state == "running" and info.expires_at is not None
     finally:
         for i in await second.sandbox_list():
             await second.sandbox_destroy(i.id)

@@ -3,7 +3,6 @@ error bodies, and envd's answers to bad input (no root, no e2b SDK calls: raw HT
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import AsyncIterator
 
@@ -265,11 +264,9 @@ async def test_create_options_network_and_auto_pause(
     sid = (await _create(c, allow_internet_access=False))["sandboxID"]
     assert (await node.sandbox_get(sid)).spec.network.allow == []
     paused = (await _create(c, autoPause=True, timeout=1))["sandboxID"]
-    for _ in range(600):  # the gateway's deadline task: readiness by state, bounded
-        if (await node.sandbox_get(paused)).state == "paused":
-            break
-        await asyncio.sleep(0.05)
-    assert (await node.sandbox_get(paused)).state == "paused"
+    info = await node.sandbox_get(paused)  # the node's reaper pauses it (test_e2b.py)
+    assert (info.spec.ttl_action, info.spec.ttl) == ("pause", 1)
+    await node.sandbox_pause(paused)
     r = await c.post(f"/v2/sandboxes/{paused}/connect", json={"timeout": 30}, headers=KEY)
     assert r.status_code == 201
 

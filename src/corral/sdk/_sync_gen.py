@@ -268,8 +268,12 @@ class BlockingSandboxes(_Handle):
         network: NetworkPolicy | Mapping[str, Any] | None = None,
         backend: str | None = None,
         desktop: Desktop | Mapping[str, Any] | None = None,
+        ttl_action: str | None = None,
     ) -> BlockingSandbox:
         """Create a sandbox and wait until it runs.
+
+        ``ttl_action="pause"``: the TTL pauses the sandbox instead of destroying it
+        (``sb.set_ttl`` gives it a new TTL later).
 
         ``desktop`` (``backend="vm"`` only) gives the VM a display with an X session of
         that size; ``sb.desktop`` then takes screenshots and sends input.
@@ -293,6 +297,7 @@ class BlockingSandboxes(_Handle):
                 network=network,
                 backend=backend,
                 desktop=desktop,
+                ttl_action=ttl_action,
             )
         )
         return BlockingSandbox(value, self._portal)

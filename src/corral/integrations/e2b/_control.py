@@ -10,10 +10,8 @@ SDK maps to its exceptions; a node at capacity answers 429 with ``Retry-After``.
 E2B metadata lives in labels (``e2b.m.<key>``), so a list filters with corral's own label
 matching and nothing extra is stored. The E2B timeout is the sandbox's corral TTL: create
 sets it, ``set_timeout``/``refresh``/``connect`` move it (``NodeOps.sandbox_set_ttl``), and
-the node records it and its reaper destroys the sandbox at it, also after a restart of the
-node. Only ``autoPause`` sandboxes (paused, not destroyed, at the timeout) keep their
-deadline in this module's memory (:class:`PauseDeadlines`); their corral TTL is
-``max_timeout``, the backstop that holds after a restart.
+the node records it and its reaper acts at it, also after a restart of the node: it
+destroys the sandbox, or for ``autoPause`` (``SandboxSpec.ttl_action="pause"``) pauses it.
 """
 
 from __future__ import annotations
@@ -97,61 +95,6 @@ def _egress(body: dict[str, Any]) -> tuple[list[str] | None, list[str] | None]:
     return allow, deny
 
 
-class PauseDeadlines:
-    """Deadlines of this node's ``autoPause`` E2B sandboxes (E2B's
-    ``lifecycle={"on_timeout": "pause"}``): the deadline pauses the sandbox, ``connect``
-    resumes it. Kept in memory: the reaper only destroys, so after a restart of the node
-    such a sandbox runs until its corral TTL (``max_timeout``) ends it."""
-
-    def __init__(self, ops: NodeOps) -> None:
-        self._ops = ops
-        self._end: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-
-    def __contains__(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._end
-
-    def get(self, sandbox_id: str) -> float | None:
-        return self._end.get(sandbox_id)
-
-    def set(self, sandbox_id: str, seconds: float) -> float:
-        end = time.time() + seconds
-        self._end[sandbox_id] = end
-        self._wake.set()
-        if self._task is None or self._task.done():
-            # started lazily: it lives on the server's event loop, which exists only now
-            self._task = asyncio.get_running_loop().create_task(self._reap())
-        return end
-
-    def forget(self, sandbox_id: str) -> None:
-        self._end.pop(sandbox_id, None)
-
-    async def _reap(self) -> None:
-        while self._end:
-            now = time.time()
-            due = [sid for sid, end in self._end.items() if end <= now]
-            for sid in due:
-                try:
-                    await self._ops.sandbox_pause(sid)
-                except NotFound:
-                    self._end.pop(sid, None)
-                except CorralError as exc:
-                    log.warning("e2b: pausing %s at its timeout failed: %s", sid, exc)
-                # kept (past): connect sets a new deadline; a restart forgets it
-                if sid in self._end and self._end[sid] <= now:
-                    self._end[sid] = float("inf")
-            live = [e for e in self._end.values() if e != float("inf")]
-            if not live:
-                return
-            wait = max(0.05, min(live) - time.time())
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
-
-
 class ControlPlane:
     """The E2B REST API. ``app`` is the ASGI app; the caller routes E2B paths to it."""
 
@@ -159,7 +102,6 @@ class ControlPlane:
         self.ops = ops
         self.token = token
         self.config = config
-        self.auto_pause = PauseDeadlines(ops)
         sb = "/sandboxes/{sandbox_id}"
         self.app = Router(
             routes=[
@@ -253,21 +195,18 @@ class ControlPlane:
         return out
 
     def _end_at(self, info: SandboxInfo) -> float:
-        end = self.auto_pause.get(info.id) or info.expires_at
-        if end is None or end == float("inf"):  # no TTL (not created here), or paused
-            end = info.created_at + self.config.max_timeout
-        return end
+        if info.expires_at is not None:
+            return info.expires_at
+        # no TTL: an autoPause sandbox its timeout paused, or one not created through E2B
+        return info.created_at + self.config.max_timeout
 
     async def _set_timeout(self, info: SandboxInfo, seconds: int, extend: bool = False) -> None:
         """End (or for ``autoPause``, pause) the sandbox ``seconds`` from now; with
-        ``extend`` only if that is later than now (E2B's connect to a running sandbox)."""
-        seconds = max(seconds, 1)  # E2B's 0 ends it at once; corral's TTL is > 0
-        if info.id in self.auto_pause:
-            cur = self.auto_pause.get(info.id) or 0.0
-            if not extend or cur == float("inf") or cur < time.time() + seconds:
-                self.auto_pause.set(info.id, seconds)
-        elif not extend or (info.expires_at or 0.0) < time.time() + seconds:
-            await self.ops.sandbox_set_ttl(info.id, seconds)
+        ``extend`` only if that is later than its deadline (E2B's connect to a running
+        sandbox). E2B's 0 (end it now) is corral's shortest TTL: the next reaper pass."""
+        end = time.time() + seconds
+        if not extend or info.expires_at is None or info.expires_at < end:
+            await self.ops.sandbox_set_ttl(info.id, max(seconds, 0.001))
 
     def _detail(self, info: SandboxInfo) -> dict[str, Any]:
         out = self._created(info)
@@ -325,7 +264,8 @@ class ControlPlane:
                 image=image,
                 labels=labels,
                 env={str(k): str(v) for k, v in env.items()},
-                ttl=self.config.max_timeout if auto_pause else (timeout or default),
+                ttl=timeout or default,
+                ttl_action="pause" if auto_pause else "destroy",
                 limits=Limits(cpus=self.config.cpus, memory=self.config.memory),
             )
         except ValueError as exc:
@@ -341,8 +281,6 @@ class ControlPlane:
         except BaseException:
             await self.ops.sandbox_destroy(info.id)
             raise
-        if auto_pause:
-            self.auto_pause.set(info.id, timeout or default)
         return JSONResponse(self._created(info), 201)
 
     async def _ensure_user(self, sandbox_id: str) -> None:
@@ -445,7 +383,6 @@ class ControlPlane:
         sid = request.path_params["sandbox_id"]
         await self._e2b_sandbox(sid)
         await self.ops.sandbox_destroy(sid)
-        self.auto_pause.forget(sid)
         return Response(status_code=204)
 
     async def timeout(self, request: Request) -> Response:
