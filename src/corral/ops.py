@@ -154,6 +154,12 @@ class SandboxOps(Protocol):
         swap (returns once the reads are started)."""
         ...
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        """The sandbox now expires ``ttl`` seconds from now (None: never), recorded so the
+        new deadline holds over a restart of the node; a paused sandbox keeps pausing.
+        Returns the sandbox with its new ``expires_at``."""
+        ...
+
     # network policy
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
@@ -235,8 +241,19 @@ class SandboxOps(Protocol):
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat: ...
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None: ...
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
-    ) -> None: ...
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
+    ) -> None:
+        """Create a directory (``mkdir -p`` with ``parents``); the directories it creates
+        belong to ``owner_uid``/``owner_gid``, ids inside the sandbox (root by default),
+        so a guest account's home needs no ``chown`` in the guest."""
+        ...
+
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None: ...
     async def file_download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 

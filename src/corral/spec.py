@@ -294,7 +294,11 @@ class SandboxSpec(_Model):
     """Image name (``demo/python``) or ``sha256:`` digest of an image manifest."""
     limits: Limits = Field(default_factory=Limits)
     ttl: float | None = Field(None, gt=0)
-    """Seconds after creation at which the sandbox is destroyed."""
+    """Seconds after creation at which the sandbox is destroyed (see ``ttl_action``)."""
+    ttl_action: Literal["destroy", "pause"] = "destroy"
+    """What the TTL does: ``destroy``; or ``pause``: the sandbox is paused at its TTL and
+    then has none (kept until destroyed; ``set_ttl`` gives it a new one). E2B's
+    ``autoPause``."""
     idle_timeout: float | None = Field(None, gt=0)
     """Seconds without a request after which the sandbox is destroyed (a paused sandbox
     is not: pausing is how an idle sandbox is kept; ``ttl`` still applies)."""

@@ -143,6 +143,8 @@ class _Sandbox:
     info: SandboxInfo
     files: dict[str, bytes] = field(default_factory=lambda: dict(_ETC))
     modes: dict[str, int] = field(default_factory=dict)
+    owners: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Owner (uid, gid inside) of entries made with one; root otherwise."""
     links: dict[str, str] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/work", "/etc"})
     procs: dict[str, _Proc] = field(default_factory=dict)
@@ -152,6 +154,7 @@ class _Sandbox:
 def _copy_fs(src: _Sandbox, dst: _Sandbox) -> _Sandbox:
     """Copy the files of ``src`` into ``dst`` (snapshot and fork: files, not processes)."""
     dst.files, dst.modes, dst.links = dict(src.files), dict(src.modes), dict(src.links)
+    dst.owners = dict(src.owners)
     dst.dirs = set(src.dirs)
     return dst
 
@@ -266,6 +269,15 @@ class FakeNode(NodeOps):
         unknown = [n for n in names if n not in self.network_permissions]
         if unknown:
             raise InvalidRequest(f"network: unknown permission {', '.join(map(repr, unknown))}")
+
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        if ttl is not None and not ttl > 0:
+            raise InvalidRequest(f"ttl: {ttl!r} is not a positive number of seconds")
+        sb = self._sb(sandbox_id, wake=False)
+        expires_at = None if ttl is None else time.time() + ttl
+        sb.info = sb.info.model_copy(update={"expires_at": expires_at})
+        self._event(sandbox_id, "ttl_set", expires_at=str(expires_at or ""))
+        return sb.info
 
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
@@ -670,14 +682,30 @@ class FakeNode(NodeOps):
         sb.dirs.discard(p)
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
         sb, p = self._sb(sandbox_id), _path(path)
+        for v, what in ((owner_uid, "owner_uid"), (owner_gid, "owner_gid")):
+            if not 0 <= v < 65536:
+                raise InvalidRequest(f"{what} {v!r} is outside the sandbox's ids 0..65535")
+        new = []
+        d = p
+        while d not in sb.dirs and d not in sb.files:  # what _mkdirs will create
+            new.append(d)
+            d = posixpath.dirname(d)
         if not parents and posixpath.dirname(p) not in sb.dirs:
             raise NotFound(f"{posixpath.dirname(p)}: no such directory in sandbox {sandbox_id}")
         if not parents and (p in sb.dirs or p in sb.files or p in sb.links):
             raise Conflict(f"{p}: already exists")
         self._mkdirs(sb, p, mode)
+        for d in new:
+            sb.owners[d] = (owner_uid, owner_gid)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         sb, root = self._sb(sandbox_id), _path(path)
@@ -956,8 +984,8 @@ class FakeNode(NodeOps):
             size=len(sb.files.get(p, b"")),
             mode=sb.modes.get(p, 0o755 if kind == "dir" else 0o644),
             mtime=0.0,
-            uid=0,
-            gid=0,
+            uid=sb.owners.get(p, (0, 0))[0],
+            gid=sb.owners.get(p, (0, 0))[1],
             target=sb.links.get(p),
         )
 

@@ -92,6 +92,17 @@ class FilesContract(ContractBase):
         await ops.file_mkdir(sb.id, "/tmp/c-meta/c", parents=False)
         assert (await ops.file_stat(sb.id, "/tmp/c-meta/c")).type == "dir"
 
+    async def test_mkdir_owner(self, ops: NodeOps, sb: SandboxInfo) -> None:
+        """What a mkdir with an owner creates is that owner's; what existed stays root's."""
+        await ops.file_mkdir(sb.id, "/tmp/c-own/home/u", True, 0o750, 1000, 1001)
+        for d in ("/tmp/c-own", "/tmp/c-own/home", "/tmp/c-own/home/u"):
+            st = await ops.file_stat(sb.id, d)
+            assert (st.uid, st.gid) == (1000, 1001), d
+        assert (await ops.file_stat(sb.id, "/tmp/c-own/home/u")).mode == 0o750
+        assert (await ops.file_stat(sb.id, "/tmp")).uid == 0
+        await ops.file_mkdir(sb.id, "/tmp/c-own/home/u", True, 0o755, 5, 5)  # exists: kept
+        assert (await ops.file_stat(sb.id, "/tmp/c-own/home/u")).uid == 1000
+
     async def test_remove(self, ops: NodeOps, sb: SandboxInfo) -> None:
         await ops.file_write(sb.id, "/tmp/c-rm/d/f", b"1")
         await ops.file_write(sb.id, "/tmp/c-rm/g", b"2")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from corral.errors import ImageNotFound, InvalidRequest, ProcessNotFound, SandboxNotFound
@@ -64,6 +66,7 @@ class LifecycleContract(ContractBase):
                 lambda: ops.process_list(sid),
                 lambda: events_after(ops, sandbox_id=sid),
                 lambda: ops.sandbox_fork(sid, ForkRequest()),
+                lambda: ops.sandbox_set_ttl(sid, 10),
             ):
                 with raises_exactly(SandboxNotFound, match=sid):
                     await call()
@@ -155,6 +158,15 @@ class LifecycleContract(ContractBase):
         assert r.reason == reason
         kinds = [e.kind for e in await events_after(ops, start, sandbox_id=sb.id)]
         assert kinds.count(reason) == 1, kinds
+
+    async def test_set_ttl(self, ops: NodeOps, sb: SandboxInfo) -> None:
+        before = time.time()
+        info = await ops.sandbox_set_ttl(sb.id, 3600)
+        assert info.expires_at is not None and before + 3600 <= info.expires_at
+        assert (await ops.sandbox_get(sb.id)).expires_at == info.expires_at
+        assert (await ops.sandbox_set_ttl(sb.id, None)).expires_at is None
+        with raises_exactly(InvalidRequest, match="ttl"):
+            await ops.sandbox_set_ttl(sb.id, 0)
 
     async def test_network_update(self, ops: NodeOps, sb: SandboxInfo) -> None:
         start = cursor_of(await events_after(ops, sandbox_id=sb.id))

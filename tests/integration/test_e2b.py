@@ -7,6 +7,7 @@ harness would. AsyncSandbox is used because the server runs on the test's event 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -632,3 +633,67 @@ async def test_auto_pause_at_the_deadline(e2b_env: Node) -> None:
         assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
     finally:
         await sb.kill()
+
+
+async def test_timeout_survives_a_node_restart(
+    images_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The E2B timeout is the corral TTL the node records: ``set_timeout`` (longer or
+    shorter than the create's) holds after the node agent restarts, and the restarted
+    node's reaper destroys the sandbox at it, or pauses an ``autoPause`` one."""
+    from tests.integration.conftest import node_config
+
+    state, run, subtree = Path(f"{STATE}-rs"), Path(f"{RUN}-rs"), f"{SUBTREE}-rs"
+    cfg = node_config(state_dir=state, run_dir=run, cgroup_subtree=subtree)
+    monkeypatch.setenv("E2B_API_KEY", TOKEN)
+    first = await Node.open(cfg)
+    try:
+        await first.gc(everything=True)
+        async with NodeServer(first, host="127.0.0.1", port=0, token=TOKEN) as srv:
+            monkeypatch.setenv("E2B_API_URL", srv.address)
+            monkeypatch.setenv("E2B_SANDBOX_URL", srv.address)
+            longer = await AsyncSandbox.create("test/debian", timeout=60)
+            await longer.set_timeout(900)
+            shorter = await AsyncSandbox.create("test/debian", timeout=600)
+            await shorter.set_timeout(2)
+            auto = await AsyncSandbox.create(
+                "test/debian", timeout=600, lifecycle={"on_timeout": "pause"}
+            )
+            await auto.commands.run("echo kept > /tmp/state")
+            await auto.set_timeout(2)
+        kept = (await first.sandbox_get(longer.sandbox_id)).expires_at
+        assert kept is not None
+    finally:
+        await first.close()  # the agent goes; its sandboxes stay
+    second = await Node.open(cfg)
+    try:
+        info = await second.sandbox_get(longer.sandbox_id)
+        assert info.state == "running" and info.expires_at == kept
+        assert kept > info.created_at + 800  # the new deadline, not the create's 60 s
+        for _ in range(1200):  # the restarted node's reaper; readiness by state, bounded
+            if (await second.sandbox_get(shorter.sandbox_id)).state == "destroyed":
+                break
+            await asyncio.sleep(0.1)
+        assert (await second.sandbox_get(shorter.sandbox_id)).state == "destroyed"
+        kinds = [e.kind for e in await second.events(sandbox_id=shorter.sandbox_id)]
+        assert "ttl_expired" in kinds, kinds
+        for _ in range(1200):  # paused by the reaper, then its TTL cleared: kept
+            got = await second.sandbox_get(auto.sandbox_id)
+            if got.state == "paused" and got.expires_at is None:
+                break
+            await asyncio.sleep(0.1)
+        assert (got.state, got.expires_at) == ("paused", None)
+        async with NodeServer(second, host="127.0.0.1", port=0, token=TOKEN) as srv:
+            monkeypatch.setenv("E2B_API_URL", srv.address)
+            monkeypatch.setenv("E2B_SANDBOX_URL", srv.address)
+            again = await AsyncSandbox.connect(auto.sandbox_id, timeout=60)
+            assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
+            info = await second.sandbox_get(auto.sandbox_id)
+            assert info.state == "running" and info.expires_at is not None
+    finally:
+        for i in await second.sandbox_list():
+            await second.sandbox_destroy(i.id)
+        await second.close()
+        shutil.rmtree(run, ignore_errors=True)
+    found = leaks.scan(state, run, subtree, netns_prefix=subtree)
+    assert leaks.total(found) == 0, found

@@ -404,6 +404,38 @@ async def test_serve_until_sigterm_then_close(tmp_path: Path) -> None:
     assert not sock.exists()
 
 
+@pytest.mark.parametrize(("flags", "want"), [([], True), (["--e2b"], True), (["--no-e2b"], False)])
+def test_serve_e2b_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], want: bool
+) -> None:
+    """``--e2b`` (the default, as the issue's example writes it) and ``--no-e2b`` reach
+    the servers; what each serves is test_api_without_e2b."""
+    got: list[bool] = []
+
+    async def fake_serve(cfg: NodeConfig, **kw: object) -> None:
+        got.append(bool(kw["e2b"]))
+
+    monkeypatch.setattr(node_cmd, "_serve", fake_serve)
+    r = cli("node", "serve", "--socket", str(tmp_path / "api.sock"), *flags)
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert got == [want]
+
+
+async def test_api_without_e2b() -> None:
+    """``e2b=False``: E2B paths are corral's own 404s; by default the gateway answers."""
+    import httpx
+
+    from corral.api.app import create_app
+
+    pytest.importorskip("e2b")
+    for enabled, status in ((True, 401), (False, 404)):
+        app = create_app(FakeNode(), token="t", e2b_enabled=enabled)
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://n.test") as c:
+            r = await c.get("/v2/sandboxes", headers={"Authorization": "Bearer t"})
+        assert r.status_code == status, (enabled, r.text)
+
+
 # ------------------------------------------------------------------------ image commands
 @pytest.fixture
 def store_args(tmp_path: Path) -> list[str]:

@@ -3,7 +3,6 @@ error bodies, and envd's answers to bad input (no root, no e2b SDK calls: raw HT
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import AsyncIterator
 
@@ -265,10 +264,54 @@ async def test_create_options_network_and_auto_pause(
     sid = (await _create(c, allow_internet_access=False))["sandboxID"]
     assert (await node.sandbox_get(sid)).spec.network.allow == []
     paused = (await _create(c, autoPause=True, timeout=1))["sandboxID"]
-    for _ in range(600):  # the gateway's deadline task: readiness by state, bounded
-        if (await node.sandbox_get(paused)).state == "paused":
-            break
-        await asyncio.sleep(0.05)
-    assert (await node.sandbox_get(paused)).state == "paused"
+    info = await node.sandbox_get(paused)  # the node's reaper pauses it (test_e2b.py)
+    assert (info.spec.ttl_action, info.spec.ttl) == ("pause", 1)
+    await node.sandbox_pause(paused)
     r = await c.post(f"/v2/sandboxes/{paused}/connect", json={"timeout": 30}, headers=KEY)
     assert r.status_code == 201
+
+
+async def test_create_adds_the_account_without_an_exec() -> None:
+    """The default account: passwd/group lines and a home the files API makes already
+    owned by uid 1000, no process run in the guest (the chown exec is gone)."""
+    node = FakeNode()
+    execs: list[object] = []
+
+    async def no_exec(*args: object, **kw: object) -> None:
+        execs.append(args)
+        raise AssertionError("an exec during the E2B create")
+
+    node.exec = no_exec  # type: ignore[method-assign,assignment]
+    config = E2BConfig(templates={"base": "demo/base"})
+    gw = E2BGateway(create_app(node, token=TOKEN), node, token=TOKEN, config=config)
+    transport = httpx.ASGITransport(gw)
+    async with httpx.AsyncClient(transport=transport, base_url="http://node.test") as c:
+        sid = (await _create(c))["sandboxID"]
+    assert b"\nuser:x:1000:1000:" in b"\n" + await node.file_read(sid, "/etc/passwd")
+    assert b"user:x:1000:" in await node.file_read(sid, "/etc/group")
+    st = await node.file_stat(sid, "/home/user")
+    assert (st.type, st.uid, st.gid) == ("dir", 1000, 1000)
+    assert execs == []
+
+
+async def test_timeouts_are_the_corral_ttl(http: tuple[FakeNode, httpx.AsyncClient]) -> None:
+    """create, set_timeout and connect move the sandbox's recorded ``expires_at``."""
+    node, c = http
+    sid = (await _create(c, timeout=60))["sandboxID"]
+    info = await node.sandbox_get(sid)
+    assert info.expires_at is not None and 50 < info.expires_at - info.created_at <= 61
+    r = await c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 3000}, headers=KEY)
+    assert r.status_code == 204, r.text
+    longer = (await node.sandbox_get(sid)).expires_at
+    assert longer is not None and longer > info.expires_at + 2000
+    r = await c.post(f"/v2/sandboxes/{sid}/connect", json={"timeout": 30}, headers=KEY)
+    assert r.status_code == 200, r.text
+    assert (await node.sandbox_get(sid)).expires_at == longer  # connect only extends
+    got = (await c.get(f"/sandboxes/{sid}", headers=KEY)).json()
+    assert got["endAt"].startswith(_iso_prefix(longer))
+
+
+def _iso_prefix(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).isoformat()[:19]

@@ -496,3 +496,13 @@ async def test_capacity_and_node_labels_in_status() -> None:
         assert (st.max_sandboxes, st.sandboxes, st.labels) == (2, 2, {"pool": "onprem"})
     with pytest.raises(ValueError, match="node id"):
         FakeNode(node_id="Not-An-Id")
+
+
+async def test_set_ttl_and_ttl_action(client: corral.AsyncClient) -> None:
+    sb = await client.sandboxes.create("demo/python", ttl=60, ttl_action="pause")
+    assert sb.info.spec.ttl_action == "pause"
+    before = sb.info.expires_at
+    info = await sb.set_ttl(3600)
+    assert before is not None and info.expires_at is not None and info.expires_at > before
+    assert (await sb.set_ttl(None)).expires_at is None
+    await sb.destroy()

@@ -141,6 +141,12 @@ class NetworkUpdateRequest(_Body):
     deny: list[str] | None = None
 
 
+class TtlRequest(_Body):
+    """Body of ``POST /v1/sandboxes/{id}/ttl``: seconds from now, or null for no TTL."""
+
+    ttl: float | None = Field(gt=0)
+
+
 class SnapshotRequest(_Body):
     """Body of ``POST /v1/sandboxes/{id}/snapshot``."""
 
@@ -321,9 +327,11 @@ def create_app(
     token: str | None = None,
     max_body: int = 1 << 30,
     e2b: E2BConfig | None = None,
+    e2b_enabled: bool = True,
 ) -> FastAPI:
     """Build the API app over ``ops``. ``token``: require ``Authorization: Bearer``.
-    ``e2b``: how the E2B API maps onto the node (default: :func:`e2b_config` of ``ops``)."""
+    ``e2b``: how the E2B API maps onto the node (default: :func:`e2b_config` of ``ops``);
+    ``e2b_enabled=False`` serves corral's API only (E2B paths are then corral's 404s)."""
     app = FastAPI(
         title="corral node API",
         version=_version(),
@@ -371,6 +379,8 @@ def create_app(
     app.add_middleware(_CatchAll)
     if token:
         app.add_middleware(_BearerAuth, token=token)
+    if not e2b_enabled:
+        return app
     # E2B's control plane and envd (their own auth: X-API-KEY, X-Access-Token); outermost
     app.add_middleware(
         E2BGateway,
@@ -457,6 +467,11 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         prefetch: bool = Query(False, description="also read their memory back from swap"),
     ) -> Response:
         return _json_list(await ops.sandboxes_resume(_parse_labels(label) or {}, prefetch))
+
+    @r.post(sb + "/ttl", response_model=SandboxInfo, tags=["sandboxes"])
+    async def sandbox_set_ttl(sandbox_id: str, body: TtlRequest) -> Response:
+        """Expire the sandbox ``ttl`` seconds from now (null: never); survives a restart."""
+        return _json(await ops.sandbox_set_ttl(sandbox_id, body.ttl))
 
     @r.post(sb + "/network", response_model=SandboxInfo, tags=["sandboxes"])
     async def network_update(sandbox_id: str, body: NetworkUpdateRequest) -> Response:
@@ -603,8 +618,10 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         path: str,
         parents: bool = True,
         mode: int = Query(0o755, ge=0, le=0o7777),
+        owner_uid: int = Query(0, ge=0, description="owner of what it creates (guest uid)"),
+        owner_gid: int = Query(0, ge=0, description="its group (guest gid)"),
     ) -> Response:
-        await ops.file_mkdir(sandbox_id, path, parents=parents, mode=mode)
+        await ops.file_mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
         return Response(status_code=204)
 
     @r.put(sb + "/files/tar", status_code=204, openapi_extra=_RAW_BODY, tags=["files"])

@@ -74,7 +74,9 @@ class NodeServer:
         port: int | None = None,
         token: str | None = None,
         max_body: int = 1 << 30,
+        e2b: bool = True,
     ) -> None:
+        """``e2b``: also speak the E2B API (control plane, envd, port hosts) on this socket."""
         if (uds is None) == (host is None and port is None):
             raise InvalidRequest("serve on exactly one of uds= or host=/port=")
         self._uds = Path(uds) if uds is not None else None
@@ -87,7 +89,7 @@ class NodeServer:
                 "token, or serve on a unix socket (uds=) for tokenless local access"
             )
         self._config = uvicorn.Config(
-            create_app(ops, token=token, max_body=max_body),
+            create_app(ops, token=token, max_body=max_body, e2b_enabled=e2b),
             lifespan="off",
             # leave logging to the embedding program; access logs would sit on the exec path
             log_config=None,

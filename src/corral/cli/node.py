@@ -78,6 +78,14 @@ def serve(
             "node.toml's e2b_templates).",
         ),
     ] = None,
+    e2b: Annotated[
+        bool,
+        typer.Option(
+            "--e2b/--no-e2b",
+            help="Also speak the E2B API (E2B_API_URL/E2B_SANDBOX_URL point here, E2B_API_KEY "
+            "is the token); on by default, --no-e2b serves corral's API only.",
+        ),
+    ] = True,
 ) -> None:
     """Open the node and serve the REST API until SIGTERM or SIGINT, then close the node."""
     g: Globals = ctx.obj
@@ -103,7 +111,7 @@ def serve(
             "its mode (0600, the node's user only)"
         )
     uds = socket_path or cfg.socket_path
-    asyncio.run(_serve(cfg, uds=uds, host=host, port=port, token=secret))
+    asyncio.run(_serve(cfg, uds=uds, host=host, port=port, token=secret, e2b=e2b))
 
 
 def _parse_templates(items: list[str]) -> dict[str, str]:
@@ -131,6 +139,7 @@ async def _serve(
     port: int | None,
     token: str | None,
     open_node: Callable[[NodeConfig], Awaitable[NodeOps]] = _open_node,
+    e2b: bool = True,
 ) -> None:
     """Open the node, serve it on ``uds`` (and TCP), close it on SIGINT/SIGTERM."""
     from corral.api.server import NodeServer
@@ -154,9 +163,9 @@ async def _serve(
     try:
         node = await open_node(cfg)
         try:
-            servers.append(NodeServer(node, uds=uds))
+            servers.append(NodeServer(node, uds=uds, e2b=e2b))
             if host is not None:
-                servers.append(NodeServer(node, host=host, port=port, token=token))
+                servers.append(NodeServer(node, host=host, port=port, token=token, e2b=e2b))
             for s in servers:
                 await s.start()
                 started.append(s)

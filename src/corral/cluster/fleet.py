@@ -395,6 +395,9 @@ class FleetClient(NodeOps):
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         return await self._route(sandbox_id).sandbox_resume(sandbox_id, prefetch)
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        return await self._route(sandbox_id).sandbox_set_ttl(sandbox_id, ttl)
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:
@@ -481,9 +484,16 @@ class FleetClient(NodeOps):
         await self._route(sandbox_id).file_remove(sandbox_id, path, recursive)
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self._route(sandbox_id).file_mkdir(sandbox_id, path, parents, mode)
+        node = self._route(sandbox_id)
+        await node.file_mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self._route(sandbox_id).file_upload_tar(sandbox_id, path, data)

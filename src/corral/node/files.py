@@ -68,9 +68,16 @@ class FileOps:
         await self._call(sandbox_id, "remove", path, recursive=recursive)
 
     async def mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self._call(sandbox_id, "mkdir", path, parents=parents, mode=mode)
+        owner = {"owner_uid": owner_uid, "owner_gid": owner_gid} if owner_uid or owner_gid else {}
+        await self._call(sandbox_id, "mkdir", path, parents=parents, mode=mode, **owner)
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self._call(sandbox_id, "upload_tar", path, data)

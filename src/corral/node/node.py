@@ -29,6 +29,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -331,6 +332,20 @@ class Node:
     async def sandbox_destroy(self, sandbox_id: str) -> None:
         await self.life.destroy_request(sandbox_id)
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        """Move the deadline the reaper destroys the sandbox at (running or paused); the
+        table records ``expires_at`` and its listener re-arms the reaper's heap."""
+        if ttl is not None and not ttl > 0:
+            raise InvalidRequest(f"ttl: {ttl!r} is not a positive number of seconds")
+        self.life.check_open()
+        cur = self.table.need(sandbox_id)
+        if cur.state in ("creating", "destroying"):
+            raise Conflict(f"sandbox {sandbox_id} is {cur.state}; its TTL cannot change")
+        expires_at = None if ttl is None else time.time() + ttl
+        info = self.table.update(sandbox_id, expires_at=expires_at)
+        self.state.add_event(sandbox_id, "ttl_set", {"expires_at": str(expires_at or "")})
+        return info
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:
@@ -525,9 +540,15 @@ class Node:
         await self.files.remove(sandbox_id, path, recursive)
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self.files.mkdir(sandbox_id, path, parents, mode)
+        await self.files.mkdir(sandbox_id, path, parents, mode, owner_uid, owner_gid)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self.files.upload_tar(sandbox_id, path, data)

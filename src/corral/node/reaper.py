@@ -2,7 +2,8 @@
 
 Once per ``reaper_interval`` it writes the activity stamps gathered since the last pass,
 trims the event log, flushes coalesced security events, then looks at the sandboxes that
-need it: past its TTL -> destroyed (a paused one too); idle past ``idle_pause`` -> paused
+need it: past its TTL -> destroyed (a paused one too), or paused for a ``ttl_action``
+of ``pause`` (then its TTL is cleared); idle past ``idle_pause`` -> paused
 in the background; idle past ``idle_timeout`` -> destroyed (a paused one is spared: pausing
 is how an idle sandbox is kept); an agent that died -> ``died`` event and destroyed. A
 sandbox with a request in flight is never taken.
@@ -105,8 +106,11 @@ class Reaper:
         info = self.table.get(sid)  # as it is now: an earlier destroy here awaited
         if info is None:
             return
+        expired = info.expires_at is not None and now >= info.expires_at
         if info.state == "paused":
-            if info.expires_at and now >= info.expires_at:
+            if expired and info.spec.ttl_action == "pause":
+                self.table.update(sid, expires_at=None)  # its TTL did its work: kept
+            elif expired:
                 await self.life.destroy(info, "ttl_expired")
             else:  # idle_timeout spares a paused sandbox: pausing is how it is kept
                 self.deadlines.arm(sid, next_deadline(info))
@@ -116,7 +120,11 @@ class Reaper:
             if when is not None:
                 self.deadlines.arm(sid, max(when, now + self.interval))
             return
-        if info.expires_at and now >= info.expires_at:
+        if expired and info.spec.ttl_action == "pause":
+            # Paused, the next look clears the TTL; a pause that fails leaves it running
+            # and expired, so the state change re-arms it and the pause is tried again.
+            self.life.background(self.pauser.pause(sid), f"ttl-pause-{sid}")
+        elif expired:
             await self.life.destroy(info, "ttl_expired")
         elif info.spec.idle_pause and now - info.last_active_at >= info.spec.idle_pause:
             # Its state change (pausing, or back to running if the pause fails) re-arms it.

@@ -275,8 +275,12 @@ class Sandboxes:
         network: NetworkPolicy | Mapping[str, Any] | None = None,
         backend: str | None = None,
         desktop: Desktop | Mapping[str, Any] | None = None,
+        ttl_action: str | None = None,
     ) -> Sandbox:
         """Create a sandbox and wait until it runs.
+
+        ``ttl_action="pause"``: the TTL pauses the sandbox instead of destroying it
+        (``sb.set_ttl`` gives it a new TTL later).
 
         ``desktop`` (``backend="vm"`` only) gives the VM a display with an X session of
         that size; ``sb.desktop`` then takes screenshots and sends input.
@@ -299,6 +303,7 @@ class Sandboxes:
             "network": network,
             "backend": backend,
             "desktop": desktop,
+            "ttl_action": ttl_action,
         }
         try:
             spec = SandboxSpec.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -245,6 +245,10 @@ class HTTPOps(NodeOps):
         resp = await self._call("POST", "/sandboxes/resume", params=params)
         return _Sandboxes.validate_json(resp.content)
 
+    async def sandbox_set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        resp = await self._call("POST", self._sb(sandbox_id, "/ttl"), json={"ttl": ttl})
+        return SandboxInfo.model_validate_json(resp.content)
+
     async def network_update(
         self, sandbox_id: str, allow: list[str] | None = None, deny: list[str] | None = None
     ) -> SandboxInfo:
@@ -431,13 +435,19 @@ class HTTPOps(NodeOps):
         )
 
     async def file_mkdir(
-        self, sandbox_id: str, path: str, parents: bool = True, mode: int = 0o755
+        self,
+        sandbox_id: str,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
     ) -> None:
-        await self._call(
-            "POST",
-            self._sb(sandbox_id, "/files/mkdir"),
-            params={"path": path, "parents": str(parents).lower(), "mode": mode},
-        )
+        params: dict[str, str | int] = {"path": path, "parents": str(parents).lower()}
+        params["mode"] = mode
+        if owner_uid or owner_gid:
+            params.update(owner_uid=owner_uid, owner_gid=owner_gid)
+        await self._call("POST", self._sb(sandbox_id, "/files/mkdir"), params=params)
 
     async def file_upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         await self._call(

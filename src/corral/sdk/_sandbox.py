@@ -310,6 +310,13 @@ class Sandbox:
     async def destroy(self) -> None:
         await self._ops.sandbox_destroy(self.id)
 
+    async def set_ttl(self, seconds: float | None) -> SandboxInfo:
+        """Destroy the sandbox ``seconds`` from now (None: no TTL), replacing the TTL it
+        was created with, earlier or later; the node records it, so it holds over a
+        restart of the node."""
+        self._info = await self._ops.sandbox_set_ttl(self.id, seconds)
+        return self._info
+
     async def pause(self, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze every process and move the sandbox's memory to swap; all state stays.
         Any later request (exec, files, shell) resumes it first, or call ``resume``.

@@ -268,8 +268,12 @@ class BlockingSandboxes(_Handle):
         network: NetworkPolicy | Mapping[str, Any] | None = None,
         backend: str | None = None,
         desktop: Desktop | Mapping[str, Any] | None = None,
+        ttl_action: str | None = None,
     ) -> BlockingSandbox:
         """Create a sandbox and wait until it runs.
+
+        ``ttl_action="pause"``: the TTL pauses the sandbox instead of destroying it
+        (``sb.set_ttl`` gives it a new TTL later).
 
         ``desktop`` (``backend="vm"`` only) gives the VM a display with an X session of
         that size; ``sb.desktop`` then takes screenshots and sends input.
@@ -293,6 +297,7 @@ class BlockingSandboxes(_Handle):
                 network=network,
                 backend=backend,
                 desktop=desktop,
+                ttl_action=ttl_action,
             )
         )
         return BlockingSandbox(value, self._portal)
@@ -635,6 +640,13 @@ class BlockingSandbox(_Handle):
 
     def destroy(self) -> None:
         self._portal.call(self._obj.destroy())
+
+    def set_ttl(self, seconds: float | None) -> SandboxInfo:
+        """Destroy the sandbox ``seconds`` from now (None: no TTL), replacing the TTL it
+        was created with, earlier or later; the node records it, so it holds over a
+        restart of the node.
+        """
+        return self._portal.call(self._obj.set_ttl(seconds))
 
     def pause(self, memory_snapshot: bool = False) -> SandboxInfo:
         """Freeze every process and move the sandbox's memory to swap; all state stays.

@@ -189,11 +189,33 @@ class AgentFiles:
         )
         self._fail(p, self._sh(script, p, "1" if recursive else "0"))
 
-    def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> None:
+    def mkdir(
+        self,
+        path: str,
+        parents: bool = True,
+        mode: int = 0o755,
+        *,
+        owner_uid: int = 0,
+        owner_gid: int = 0,
+    ) -> None:
+        """``mkdir`` in the guest (as root); with an owner, the directories it made are
+        handed to it by counting the missing ones first (``chown -h``: never through a
+        symlink the guest put there, though inside a VM that is the guest's own view)."""
         p = self._check(path)
+        for v, what in ((owner_uid, "owner_uid"), (owner_gid, "owner_gid")):
+            if not isinstance(v, int) or not 0 <= v < 1 << 32:
+                raise InvalidRequest(f"{p}: {what} {v!r} is not a uid/gid")
         flag = "-p" if parents else ""
         script = f'{BB} mkdir {flag} -m "$2" "$1"' if flag else f'{BB} mkdir -m "$2" "$1"'
-        r = self._sh(script, p, f"{mode & 0o7777:o}")
+        if owner_uid or owner_gid:
+            script = (
+                'd="$1"; n=0; while [ ! -e "$d" ] && [ ! -L "$d" ]; do '
+                f'n=$((n + 1)); d="$({BB} dirname "$d")"; done; '
+                f"{script} || exit 1; "
+                'd="$1"; while [ "$n" -gt 0 ]; do '
+                f'{BB} chown -h "$3" "$d" || exit 1; d="$({BB} dirname "$d")"; n=$((n - 1)); done'
+            )
+        r = self._sh(script, p, f"{mode & 0o7777:o}", f"{owner_uid}:{owner_gid}")
         if r.code != 0 and b"File exists" in r.stderr:
             from corral.errors import Conflict
 

@@ -36,8 +36,7 @@ class E2BConfig:
     default_timeout: int = 300
     """Seconds an E2B sandbox lives when the create request names no timeout (E2B's)."""
     max_timeout: int = 24 * 3600
-    """Longest timeout accepted; also the corral TTL of E2B sandboxes (a backstop that
-    survives a node restart, which forgets the E2B deadlines kept in memory)."""
+    """Longest timeout accepted (the timeout is the sandbox's corral TTL)."""
     default_user: str = "user"
     """The account commands and file operations use when the request names none."""
     cpus: float = 2.0
