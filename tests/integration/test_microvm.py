@@ -131,9 +131,9 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
         await vmnode.file_mkdir(info.id, "/root/a/b")
         assert (await vmnode.file_stat(info.id, "/root/a/b")).type == "dir"
         await vmnode.file_mkdir(info.id, "/root/o/p", True, 0o750, 1000, 1001)  # an owner
-        for d in ("/root/o", "/root/o/p"):
-            st = await vmnode.file_stat(info.id, d)
-            assert (st.uid, st.gid) == (1000, 1001), d
+        for made in ("/root/o", "/root/o/p"):
+            st = await vmnode.file_stat(info.id, made)
+            assert (st.uid, st.gid) == (1000, 1001), made
         assert (await vmnode.file_stat(info.id, "/root")).uid == 0
         await vmnode.file_remove(info.id, "/root/o", recursive=True)
         tar = await vmnode.file_download_tar(info.id, "/root")
