@@ -428,6 +428,11 @@ class SandboxInfo(_Model):
     """Bytes of the sandbox's memory in RAM now (cgroup figure; set by ``get``)."""
     memory_swapped: int | None = None
     """Bytes of the sandbox's memory in swap now (cgroup figure; set by ``get``)."""
+    cpu_seconds: float | None = None
+    """CPU time its processes have used since it started, in seconds (cgroup figure; set
+    by ``get``; a VM's is its VMM's)."""
+    disk_used: int | None = None
+    """Bytes its writable layer takes now (the scratch subvolume's usage; set by ``get``)."""
 
     def image_info(self) -> ImageInfo:
         """The image this sandbox was created from, as it was then: its own layers and env

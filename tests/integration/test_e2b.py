@@ -348,6 +348,12 @@ async def test_timeout_and_metrics(sbx: AsyncSandbox) -> None:
     assert (info.end_at - info.started_at).total_seconds() > 500
     metrics = await sbx.get_metrics()
     assert metrics and metrics[0].mem_total > 0
+    # a second of busy CPU and 8 MiB on its disk show in the next sample
+    burn = "end=$((SECONDS+2)); while [ $SECONDS -lt $end ]; do :; done"
+    await sbx.commands.run(f"head -c 8388608 /dev/urandom > ~/big && sync && {burn}")
+    m = (await sbx.get_metrics())[0]
+    assert m.cpu_used_pct > 0 and m.mem_used > 0, m
+    assert m.disk_used >= 8 << 20, m
 
 
 async def test_timeout_destroys(e2b_env: Node) -> None:

@@ -87,6 +87,8 @@ class Meters(Protocol):
     def memory_resident(self) -> int | None: ...
     @property
     def memory_swapped(self) -> int | None: ...
+    @property
+    def cpu_seconds(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class FixedMeters:
     disk_used: int | None = None
     memory_resident: int | None = None
     memory_swapped: int | None = None
+    cpu_seconds: float | None = None
 
 
 class CgroupMeters:
@@ -143,6 +146,12 @@ class CgroupMeters:
     @property
     def memory_swapped(self) -> int | None:
         return self._memory[1]
+
+    @functools.cached_property
+    def cpu_seconds(self) -> float | None:
+        with contextlib.suppress(Exception):
+            return self._ctx.cgroups.cpu_seconds(self._sid)
+        return None
 
 
 @dataclass

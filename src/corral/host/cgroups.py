@@ -473,6 +473,12 @@ class Cgroups:
 
     # -- memory reclaim and cpu class (pause, QoS) -----------------------------------
 
+    def cpu_seconds(self, name: str) -> float:
+        """CPU time the cgroup's tasks have used so far (user + system), in seconds."""
+        if self.mode == "v2":
+            return self._keyed(self._read(self._dir("", name) / "cpu.stat"), "usage_usec") / 1e6
+        return int(self._read(self._dir("cpuacct", name) / "cpuacct.usage")) / 1e9
+
     def memory_usage(self, name: str) -> tuple[int, int]:
         """(bytes resident in RAM, bytes in swap) charged to the cgroup."""
         if self.mode == "v2":

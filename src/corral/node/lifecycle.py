@@ -217,6 +217,7 @@ class Lifecycle:
                 m.memory_resident,
                 m.memory_swapped,
             )
+            update["cpu_seconds"], update["disk_used"] = m.cpu_seconds, m.disk_used
         return info.model_copy(update=update)
 
     def active(self, sandbox_id: str) -> SandboxInfo:

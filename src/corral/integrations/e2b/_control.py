@@ -102,6 +102,9 @@ class ControlPlane:
         self.ops = ops
         self.token = token
         self.config = config
+        # per sandbox: (wall time, CPU seconds) of the last metrics sample, so that
+        # cpuUsedPct is the use between two samples (since creation for the first)
+        self._cpu_seen: dict[str, tuple[float, float]] = {}
         sb = "/sandboxes/{sandbox_id}"
         self.app = Router(
             routes=[
@@ -383,6 +386,7 @@ class ControlPlane:
         sid = request.path_params["sandbox_id"]
         await self._e2b_sandbox(sid)
         await self.ops.sandbox_destroy(sid)
+        self._cpu_seen.pop(sid, None)
         return Response(status_code=204)
 
     async def timeout(self, request: Request) -> Response:
@@ -433,18 +437,32 @@ class ControlPlane:
     async def metrics(self, request: Request) -> Response:
         info = await self._e2b_sandbox(request.path_params["sandbox_id"])
         now = time.time()
+        cpus = max(1, int(info.spec.limits.cpus))
         sample = {
             "timestamp": _iso(now),
             "timestampUnix": int(now),
-            "cpuCount": max(1, int(info.spec.limits.cpus)),
-            "cpuUsedPct": 0.0,
+            "cpuCount": cpus,
+            "cpuUsedPct": self._cpu_pct(info, now, cpus),
             "memUsed": info.memory_resident or 0,
             "memTotal": info.spec.limits.memory,
             "memCache": 0,
-            "diskUsed": 0,
+            "diskUsed": info.disk_used or 0,
             "diskTotal": info.spec.limits.disk,
         }
         return JSONResponse([sample])
+
+    def _cpu_pct(self, info: SandboxInfo, now: float, cpus: int) -> float:
+        """Percent of the sandbox's CPUs used since its previous sample (E2B's cpuUsedPct:
+        100 is all of ``cpuCount`` busy); 0 where the backend has no CPU figure."""
+        if info.cpu_seconds is None:
+            return 0.0
+        t0, used0 = self._cpu_seen.get(info.id, (info.created_at, 0.0))
+        if len(self._cpu_seen) > 100_000:  # destroyed sandboxes' entries: start afresh
+            self._cpu_seen.clear()
+        self._cpu_seen[info.id] = (now, info.cpu_seconds)
+        if now <= t0:
+            return 0.0
+        return round(max(0.0, info.cpu_seconds - used0) / (now - t0) / cpus * 100, 2)
 
     async def snapshot(self, request: Request) -> Response:
         """A corral snapshot image; its name is the snapshot id, usable as a template."""
