@@ -3,9 +3,11 @@
 A local Ray cluster of ``nodes`` Ray nodes on this machine hosts one real corral node each
 (:class:`corral.cluster.local.LocalRayCluster`). In the same run:
 
-- **cluster**: ``count`` creates at ``concurrency`` through ``RayOps`` (placed by the
-  control plane over all nodes), then exec ``true`` one after another, then destroys;
+- **cluster**: ``count`` creates at ``concurrency`` through ``RayOps`` (placed over all
+  nodes), then destroyed;
 - **single_node**: the same against the first node's HTTP API directly;
+- then ``exec true`` one after another in a few sandboxes of each, the two taking turns,
+  so that both see the same moments of the machine;
 - **lost_detect_s**: one agent is killed; seconds until the cluster client reports its node
   lost (then the agent is restarted and its node reconciles);
 - **orphans_left**: a job whose lease is never renewed: its sandboxes must be paused, then
@@ -34,12 +36,15 @@ from corral.spec import ExecRequest, SandboxInfo, SandboxSpec
 __all__ = ["cluster"]
 
 _EXECS = 100
+_EXEC_SANDBOXES = 12  # per side, execs cycle over them (the cluster's spread over the nodes)
 
 
-async def _work(ops: NodeOps, image: str, count: int, concurrency: int) -> dict[str, Any]:
+async def _creates(
+    ops: NodeOps, image: str, count: int, concurrency: int, made: list[SandboxInfo]
+) -> dict[str, Any]:
+    """``count`` creates at ``concurrency`` (kept in ``made``): throughput and latency."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
-    made: list[SandboxInfo] = []
 
     async def one() -> None:
         async with sem:
@@ -47,31 +52,42 @@ async def _work(ops: NodeOps, image: str, count: int, concurrency: int) -> dict[
             made.append(await ops.sandbox_create(SandboxSpec(image=image, labels={"b": "c"})))
             lat.append(time.perf_counter() - t)
 
-    try:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(count)))
-        wall = time.perf_counter() - t0
-        ex: list[float] = []
-        for i in range(min(_EXECS, len(made))):
-            t = time.perf_counter()
-            await ops.exec(made[i].id, ExecRequest(cmd=["true"]))
-            ex.append(time.perf_counter() - t)
-    finally:
-
-        async def gone(sid: str) -> None:
-            async with sem:
-                await ops.sandbox_destroy(sid)
-
-        await asyncio.gather(*(gone(i.id) for i in made), return_exceptions=True)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(count)))
+    wall = time.perf_counter() - t0
     return {
         "count": count,
         "create_per_s": round(count / wall, 2),
         "create_p50_ms": round(p50(lat) * 1000, 2),
         "create_p99_ms": round(p99(lat) * 1000, 2),
-        "exec_p50_ms": round(p50(ex) * 1000, 2),
-        "exec_p99_ms": round(p99(ex) * 1000, 2),
         "nodes_used": len({i.node_id for i in made}),
     }
+
+
+async def _execs_taking_turns(
+    sides: list[tuple[NodeOps, list[SandboxInfo], dict[str, Any]]],
+) -> None:
+    """``exec true`` one after another, the sides taking turns (each side's i-th sandbox),
+    so that both see the same moments of the machine; p50/p99 into each side's figures."""
+    ex: list[list[float]] = [[] for _ in sides]
+    for i in range(_EXECS):
+        for k, (ops, made, _) in enumerate(sides):
+            t = time.perf_counter()
+            await ops.exec(made[i % len(made)].id, ExecRequest(cmd=["true"]))
+            ex[k].append(time.perf_counter() - t)
+    for (_, _, out), lat in zip(sides, ex, strict=True):
+        out["exec_p50_ms"] = round(p50(lat) * 1000, 2)
+        out["exec_p99_ms"] = round(p99(lat) * 1000, 2)
+
+
+async def _destroy(ops: NodeOps, made: list[SandboxInfo], concurrency: int) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def gone(sid: str) -> None:
+        async with sem:
+            await ops.sandbox_destroy(sid)
+
+    await asyncio.gather(*(gone(i.id) for i in made), return_exceptions=True)
 
 
 async def _until(check: Any, deadline: float) -> float:
@@ -116,10 +132,25 @@ async def cluster(opts: BenchOptions, nodes: int, count: int, concurrency: int) 
         first = lc.infos["c0"]
         single = HTTPOps(first["address"], token=first["token"])
         try:
-            say(f"cluster: {count} creates at concurrency {concurrency}")
-            out["cluster"] = await _work(ops, image.digest, count, concurrency)
-            say(f"single node: {count} creates at concurrency {concurrency}")
-            out["single_node"] = await _work(single, image.digest, count, concurrency)
+            for side, side_ops in (("cluster", ops), ("single_node", single)):
+                say(f"{side}: {count} creates at concurrency {concurrency}")
+                made: list[SandboxInfo] = []
+                try:
+                    out[side] = await _creates(side_ops, image.digest, count, concurrency, made)
+                finally:
+                    await _destroy(side_ops, made, concurrency)
+            made_c: list[SandboxInfo] = []
+            made_s: list[SandboxInfo] = []
+            try:
+                say(f"exec: {_EXECS} each, cluster and single node taking turns")
+                await _creates(ops, image.digest, _EXEC_SANDBOXES, concurrency, made_c)
+                await _creates(single, image.digest, _EXEC_SANDBOXES, concurrency, made_s)
+                await _execs_taking_turns(
+                    [(ops, made_c, out["cluster"]), (single, made_s, out["single_node"])]
+                )
+            finally:
+                await _destroy(ops, made_c, concurrency)
+                await _destroy(single, made_s, concurrency)
             c, s = out["cluster"], out["single_node"]
             out["ratio"] = {
                 "create_per_s": round(c["create_per_s"] / s["create_per_s"], 3),

@@ -146,6 +146,9 @@ class FleetClient(NodeOps):
         self._member(node_id).draining = on
         self._report(node_id)
 
+    def draining_nodes(self) -> list[str]:
+        return [nid for nid, m in self._members.items() if m.draining]
+
     def lost_nodes(self) -> list[str]:
         return [nid for nid, m in self._members.items() if m.lost]
 
@@ -157,6 +160,9 @@ class FleetClient(NodeOps):
 
         Returns each node's status (None: it did not answer this time)."""
         ids = list(self._members)
+        # A report holds the placements made before it was asked for, not those made while
+        # it was on its way: the placer keeps those in its overlay (reported as of ``asked``).
+        asked = self._clock()
         got = await asyncio.gather(*(self._status_of(nid) for nid in ids), return_exceptions=True)
         now = self._clock()
         out: dict[str, NodeStatus | None] = {}
@@ -173,7 +179,7 @@ class FleetClient(NodeOps):
                 out[nid] = None
                 if now - m.seen >= self.lost_after:
                     m.lost = True
-            self._report(nid)
+            self._report(nid, asked)
             if self.log is not None and m.lost != was_lost:
                 if m.lost:
                     self.log.add("node_lost", node=nid, silent_s=round(now - m.seen, 1))
@@ -196,13 +202,13 @@ class FleetClient(NodeOps):
             self._members[nid].ops.node_status(), timeout=self._status_timeout
         )
 
-    def _report(self, nid: str) -> None:
+    def _report(self, nid: str, at: float | None = None) -> None:
         m = self._members[nid]
         if m.status is None:
             rep = NodeReport(node_id=nid, draining=m.draining, lost=True)
         else:
             rep = NodeReport.from_status(m.status, draining=m.draining, lost=m.lost)
-        self.placer.report(rep, self._clock())
+        self.placer.report(rep, self._clock() if at is None else at)
 
     def _member(self, node_id: str) -> _Member:
         m = self._members.get(node_id)

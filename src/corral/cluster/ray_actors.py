@@ -285,6 +285,10 @@ class ControlPlane:
     def drain(self, node_id: str, on: bool = True) -> None:
         self._fleet.drain(node_id, on)
 
+    def draining(self) -> list[str]:
+        """The nodes an operator is draining (clients that place creates themselves ask)."""
+        return self._fleet.draining_nodes()
+
     # ----------------------------------------------------------------- creates
     async def sandbox_create(self, spec: str) -> str:
         try:

@@ -2,9 +2,12 @@
 
 It is a :class:`~corral.cluster.FleetClient` whose nodes are the HTTP APIs of the node
 agents found through Ray, so every per-sandbox call goes straight to the sandbox's node.
-Creates go to the control-plane actor, which places them (one placer for all clients, and
-the jobs' quotas and leases live there, surviving a killed trainer). The client keeps its
-own status loop (node loss shows in its ``sandbox_get``/``sandbox_list`` without asking the
+A plain create is placed by the client itself, one more placer without coordination (as
+DSec runs several): it knows the nodes and their reports, and creates straight on the node
+it picks, which admits or refuses (a refusal is placed elsewhere). The control-plane actor
+places what needs it: a job's creates (the jobs' quotas and leases live there, surviving a
+killed trainer), and a create while the on-prem pool is full enough to burst, which may
+grow the cloud pool through Ray's autoscaler. The client keeps its own status loop (node loss shows in its ``sandbox_get``/``sandbox_list`` without asking the
 control plane) and picks up nodes that join.
 
 ``ray://auto`` joins the Ray cluster this host belongs to; ``ray://HOST:PORT`` joins the
@@ -30,7 +33,7 @@ from urllib.parse import urlsplit
 from corral.cluster.fleet import FleetClient
 from corral.cluster.jobs import JobLimits
 from corral.cluster.ray_actors import CONTROL_NAME, NAMESPACE, REQUEST_LABEL, control_actor
-from corral.errors import InvalidRequest, TransportError, error_from_wire
+from corral.errors import CapacityError, InvalidRequest, TransportError, error_from_wire
 from corral.sdk._sandbox import Sandbox
 from corral.spec import Event, SandboxInfo, SandboxSpec
 
@@ -109,6 +112,7 @@ class RayOps(FleetClient):
                 old = self.add_node(info["node_id"], HTTPOps(info["address"], token=info["token"]))
                 if old is not None:
                     await old.close()
+        await self._sync_draining()
         # a node the control plane no longer lists was released (an idle cloud node): it
         # left for good, so it must not be reported lost (a dead agent stays listed)
         listed = {i["node_id"] for i in infos}
@@ -118,6 +122,14 @@ class RayOps(FleetClient):
             if gone is not None:
                 await gone.close()
 
+    async def _sync_draining(self) -> None:
+        """Take the operator's drains from the control plane (this client places creates
+        too, so it must skip a draining node: within one round of the drain)."""
+        draining = set(await self.call("draining"))
+        for nid in self.node_ids():
+            if (nid in draining) != (nid in self.draining_nodes()):
+                self.drain(nid, nid in draining)
+
     async def _run(self) -> None:
         rounds = 0
         while True:
@@ -125,6 +137,8 @@ class RayOps(FleetClient):
             with contextlib.suppress(Exception):  # next round retries; loss is by silence
                 if rounds % 5 == 4:
                     await self.sync_nodes()
+                else:
+                    await self._sync_draining()
                 await self.refresh()
             rounds += 1
 
@@ -156,6 +170,17 @@ class RayOps(FleetClient):
         return self._control
 
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Placed here while the on-prem pool has room (see the module doc); through the
+        control plane when bursting, or when no node here would take it."""
+        if self.node_ids():
+            if not self.placer.bursting():
+                try:
+                    return await super().sandbox_create(spec)
+                except CapacityError:
+                    pass  # full as far as this client knows: the control plane may burst
+            # the control plane has not seen this client's placements: it asks the nodes
+            # first, so that it bursts from the fill this client saw
+            await self.call("refresh")
         info = SandboxInfo.model_validate_json(
             _checked(await self.call("sandbox_create", _keyed(spec).model_dump_json()))
         )
