@@ -337,8 +337,12 @@ async def test_pause_then_connect_resumes(sbx: AsyncSandbox) -> None:
     assert not await sbx.pause()  # already paused: 409, which the SDK reports as False
     info = await AsyncSandbox.get_info(sbx.sandbox_id)
     assert info.state.value == "paused"
+    # paused, it does not time out (kept for the gateway's max_timeout, 24 h)
+    assert (info.end_at - info.started_at).total_seconds() > 23 * 3600
     again = await AsyncSandbox.connect(sbx.sandbox_id)
-    assert (await again.get_info()).state.value == "running"
+    resumed = await again.get_info()
+    assert resumed.state.value == "running"
+    assert (resumed.end_at - resumed.started_at).total_seconds() < 23 * 3600
     assert (await again.commands.run("cat /tmp/state")).stdout == "kept\n"
 
 

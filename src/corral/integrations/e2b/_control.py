@@ -410,6 +410,9 @@ class ControlPlane:
         if info.state in ("paused", "pausing"):
             return JSONResponse(e2b_error(409, f"sandbox {sid!r} is already paused"), 409)
         await self.ops.sandbox_pause(sid)
+        # E2B: a paused sandbox does not time out; it is kept until killed or resumed. Kept
+        # here for max_timeout, so that one nobody comes back to is not kept for ever.
+        await self.ops.sandbox_set_ttl(sid, self.config.max_timeout)
         return Response(status_code=204)
 
     async def _resume(self, request: Request, running_status: int) -> Response:
@@ -420,6 +423,8 @@ class ControlPlane:
         if info.state in ("paused", "pausing"):
             info = await self.ops.sandbox_resume(sid)
             status = 201
+            if t is None:  # the pause's long keep ends: it runs on E2B's default timeout
+                t = self.config.default_timeout
         if t is not None:
             await self._set_timeout(info, t, extend=status != 201)
         return JSONResponse(self._created(info), status)
