@@ -45,6 +45,21 @@ async def test_placement_routing_groups_and_job_pause(raycorral: LocalRayCluster
         assert await client.sandboxes.list(labels={"corral.job": "rl-t1"}) == []
 
 
+async def test_rate_back_pressure_queues_creates(raycorral: LocalRayCluster) -> None:
+    """Above its rate a job's creates wait their turn (none refused): 5 at 4/s with a burst
+    of 1 cannot all be made in under a second. A lower bound only, which slowness cannot
+    break."""
+    async with corral.AsyncClient("ray://auto") as client:
+        async with client.jobs.open(
+            "rl-rate", max_sandboxes=8, max_creates_per_s=4, burst=1
+        ) as job:
+            t0 = time.monotonic()
+            group = await job.create_group(5, IMAGE, qos="latency")
+            took = time.monotonic() - t0
+            assert len(group) == 5
+            assert took >= 0.95, took  # 4 refills at 4/s after the first token
+
+
 async def test_group_all_or_nothing_with_a_failing_node(raycorral: LocalRayCluster) -> None:
     async with corral.AsyncClient("ray://auto") as client:
         # node c2 does not know the permission "pkgs": creates placed there fail

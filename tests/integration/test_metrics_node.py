@@ -214,8 +214,10 @@ async def test_prometheus_scrapes_the_node(node, observer: Observer, prometheus)
             value = float(p99[0]["value"][1])
             # histogram_quantile interpolates inside the bucket holding the slowest create
             buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+            # measured around the call, so a little above what the node recorded: the
+            # slowest create may sit in the bucket below when it is near a boundary
             upper = next(b for b in buckets if b >= max(measured))
-            lower = max([b for b in buckets if b < max(measured)], default=0.0)
+            lower = max([b for b in buckets if b < max(measured) - 0.005], default=0.0)
             assert lower <= value <= upper, (value, measured)
             # the documented recording rule answers too
             rule = await _until(
