@@ -23,7 +23,7 @@ test-deps: venv $(VENV)/.installed-ui
 	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(TEST_APT_PACKAGES)"
 
 $(VENV)/.installed-ui: pyproject.toml $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[dev,ui,cluster,e2b]'
+	$(PY) -m pip install -q -e '.[dev,ui,cluster,e2b,swerex]'
 	touch $@
 
 
