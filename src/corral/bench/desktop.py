@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.bench.microvm import vm_node_config
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.bench.stats import p50, p99
 from corral.errors import ImageNotFound, NotFound
@@ -46,23 +47,12 @@ def ensure_desktop_image(store: LayerStore, want: str) -> ImageInfo:
 async def desktop(
     opts: BenchOptions, count: int, width: int, height: int, kernel_dir: Path | None
 ) -> dict[str, Any]:
-    from corral.node import Node, NodeConfig
+    from corral.node import Node
     from corral.spec import Desktop, DesktopInput, Limits, SandboxSpec
 
     store = LayerStore(opts.store_dir)
     image = await asyncio.to_thread(ensure_desktop_image, store, opts.image)
-    vm_cfg: dict[str, Any] = {"kind": "vm"}
-    if kernel_dir is not None:
-        vm_cfg["kernel_dir"] = str(kernel_dir)
-    cfg = NodeConfig.model_validate(
-        {
-            "state_dir": opts.state_dir,
-            "run_dir": opts.run_dir,
-            "store": opts.store,
-            "cgroup_subtree": opts.subtree,
-            "backends": [{"kind": "container", "runtime": opts.runtime}, vm_cfg],
-        }
-    )
+    cfg = vm_node_config(opts, "vm", kernel_dir)
     spec = SandboxSpec(
         image=image.name,
         backend="vm",

@@ -15,26 +15,27 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral.bench.image import ensure_image
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.bench.stats import p50, p99
 from corral.images.store import LayerStore
 
+if TYPE_CHECKING:
+    from corral.node import NodeConfig
+
 __all__ = ["microvm"]
 
 
-async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> dict[str, Any]:
-    from corral.node import Node, NodeConfig
-    from corral.spec import ExecRequest, ForkRequest, Limits, SandboxSpec
+def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> NodeConfig:
+    """The bench node: containers (for the same-run baseline) beside a ``kind`` VM backend."""
+    from corral.node import NodeConfig
 
-    store = LayerStore(opts.store_dir)
-    image = await asyncio.to_thread(ensure_image, store, opts.image)
-    vm_cfg: dict[str, Any] = {"kind": "microvm"}
+    vm_cfg: dict[str, Any] = {"kind": kind}
     if kernel_dir is not None:
         vm_cfg["kernel_dir"] = str(kernel_dir)
-    cfg = NodeConfig.model_validate(
+    return NodeConfig.model_validate(
         {
             "state_dir": opts.state_dir,
             "run_dir": opts.run_dir,
@@ -43,6 +44,15 @@ async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> di
             "backends": [{"kind": "container", "runtime": opts.runtime}, vm_cfg],
         }
     )
+
+
+async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> dict[str, Any]:
+    from corral.node import Node
+    from corral.spec import ExecRequest, ForkRequest, Limits, SandboxSpec
+
+    store = LayerStore(opts.store_dir)
+    image = await asyncio.to_thread(ensure_image, store, opts.image)
+    cfg = vm_node_config(opts, "microvm", kernel_dir)
     limits = Limits(cpus=1, memory="256MiB", disk="1GiB")
     # latency: a TCG boot on idle CPU only would measure the host's other load
     spec = SandboxSpec(image=image.info.name, backend="microvm", limits=limits, qos="latency")

@@ -315,21 +315,7 @@ class MicroVMBackend:
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
             # "$@"), in the sandbox's cgroup and a new netns, dropping to an unprivileged
             # uid under its seccomp sandbox. -daemonize: this returns once it is set up.
-            proc = await asyncio.create_subprocess_exec(
-                *run,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=d,
-            )
-            out, _ = await proc.communicate()
-            if proc.returncode != 0:
-                raise SandboxError(
-                    f"sandbox {sandbox_id}: QEMU did not start (exit {proc.returncode}): "
-                    + out.decode(errors="replace").strip()[-1000:]
-                )
+            await _start_qemu(run, env, d, f"sandbox {sandbox_id}: QEMU did not start")
             pid = self.vmm_pid(sandbox_id)
             if pid is None:
                 raise SandboxError(f"sandbox {sandbox_id}: QEMU started but is not running")
@@ -548,21 +534,7 @@ class MicroVMBackend:
         )
         # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
         # netns and cgroup (see create()).
-        proc = await asyncio.create_subprocess_exec(
-            *run,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=d,
-        )
-        out, _ = await proc.communicate()
-        if proc.returncode != 0:
-            raise SandboxError(
-                f"sandbox {sandbox_id}: QEMU did not start for the restore "
-                f"(exit {proc.returncode}): " + out.decode(errors="replace").strip()[-1000:]
-            )
+        await _start_qemu(run, env, d, f"sandbox {sandbox_id}: QEMU did not start for the restore")
         fd = os.open(snap, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await asyncio.to_thread(_load, d / "qmp.sock", fd, timeout)
@@ -760,3 +732,22 @@ if TYPE_CHECKING:  # mypy checks the engine against the protocol the node uses
 
     def _conforms(b: MicroVMBackend) -> Backend:
         return b
+
+
+async def _start_qemu(run: list[str], env: dict[str, str], cwd: Path, failed: str) -> None:
+    """Run the trampoline (QEMU with -daemonize: it returns once the VM is set up); a
+    SandboxError starting with ``failed`` and QEMU's last output if it did not start."""
+    proc = await asyncio.create_subprocess_exec(
+        *run,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=cwd,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise SandboxError(
+            f"{failed} (exit {proc.returncode}): " + out.decode(errors="replace").strip()[-1000:]
+        )
