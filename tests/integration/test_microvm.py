@@ -107,6 +107,10 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
     info = await vmnode.sandbox_create(_spec())
     try:
         assert info.accel == status.accel and info.backend == "microvm"
+        # the image's layers are mapped from the store's files as pmem, mounted with DAX
+        assert info.layer_access == "dax", info
+        r = await vmnode.exec(info.id, ExecRequest(cmd=["sh", "-c", "ls /sys/block"]))
+        assert b"pmem0" in r.stdout, r
         d = vmnode.backends.get("microvm").dir(info.id)
         r = await vmnode.exec(info.id, ExecRequest(cmd=["cat", "/proc/sys/kernel/osrelease"]))
         assert r.exit_code == 0, r

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -59,7 +60,7 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import guest, qemu
+from corral.backends.microvm import dax, guest, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
@@ -184,7 +185,7 @@ class MicroVMBackend:
             detail={
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
-                "layers": "virtio-blk",
+                "layers": "dax, virtio-blk fallback" if self.config.dax else "virtio-blk",
                 "network": "tap+nat in the VMM netns",
                 "pause": "freeze, memory_snapshot",
                 "fork": "memory + disk",
@@ -257,7 +258,11 @@ class MicroVMBackend:
                 await self._create_fork(sandbox_id, spec, image, writable_from, undo, phases)
             else:
                 await self._create(sandbox_id, spec, image, undo, phases)
-            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+            return Started(
+                pid=self._holder(sandbox_id),
+                cgroup=sandbox_id,
+                layer_access=self._layer_access(sandbox_id),
+            )
         except BaseException:
             await run_undo(undo)
             raise
@@ -337,7 +342,14 @@ class MicroVMBackend:
 
     def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
         """QEMU's command line, run with the sandbox dir as its cwd (a subclass with another
-        machine overrides this; a restore reuses what it returned, from ``vm.json``)."""
+        machine overrides this; a restore reuses what it returned, from ``vm.json``). The
+        layers go as pmem for DAX when the config allows and :func:`.dax.plan` finds a
+        layout (a fork's children get the same one: same layers, memory and initramfs)."""
+        if self.config.dax and files.layers and self.initrd is not None:
+            sizes = [(p, p.stat().st_size) for p in files.layers]
+            files = dataclasses.replace(
+                files, dax=dax.plan(sizes, mem_mib, self.initrd.stat().st_size)
+            )
         return qemu.vm_argv(
             files,
             accel=self.accel,
@@ -347,6 +359,14 @@ class MicroVMBackend:
             dns=self._resolver(),
             hostname=spec.hostname,
         )
+
+    def _layer_access(self, sandbox_id: str) -> str:
+        """``dax`` if the VM's command line maps its layers as pmem, else ``virtio-blk``."""
+        try:
+            argv = json.loads((self.dir(sandbox_id) / "vm.json").read_text())["argv"]
+        except (OSError, ValueError, KeyError):
+            return "virtio-blk"
+        return "dax" if any("corral.dax=1" in a for a in argv) else "virtio-blk"
 
     def _resolver(self) -> str | None:
         """The nameserver the node gives containers (its resolv.conf mount), if any."""
@@ -414,7 +434,11 @@ class MicroVMBackend:
             return None
         self._mux[sandbox_id] = mux
         try:
-            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+            return Started(
+                pid=self._holder(sandbox_id),
+                cgroup=sandbox_id,
+                layer_access=self._layer_access(sandbox_id),
+            )
         except SandboxError as e:
             log.warning("adopt %s: %s", sandbox_id, e)
             await self._drop_mux(sandbox_id)
@@ -758,6 +782,7 @@ def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[st
     """Stop the guest, migrate its state into ``fd``, quit QEMU unless not ``quit`` (then
     the guest stays stopped for the caller to ``cont``). Blocking: run in a thread."""
     with Qmp(qmp_sock) as q:
+        _ignore_shared(q)
         q.cmd("stop")
         q.cmd("getfd", fds=[fd], fdname="snap")
         q.cmd("migrate", uri="fd:snap")
@@ -770,6 +795,7 @@ def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[st
 def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
     """Feed ``fd`` to a QEMU started with ``-incoming defer``; wait until the guest runs."""
     with Qmp(qmp_sock) as q:
+        _ignore_shared(q)
         q.cmd("getfd", fds=[fd], fdname="snap")
         q.cmd("migrate-incoming", uri="fd:snap")
         q.wait_migration(timeout)
@@ -777,6 +803,15 @@ def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
         if q.cmd("query-status").get("status") != "running":
             q.cmd("cont")
         q.wait_status("running", timeout)
+
+
+def _ignore_shared(q: Qmp) -> None:
+    """Leave shared memory (the DAX-mapped layer files) out of the state file: it is the
+    store's file, there again on restore (read-only, so restoring into it would fail)."""
+    q.cmd(
+        "migrate-set-capabilities",
+        capabilities=[{"capability": "x-ignore-shared", "state": True}],
+    )
 
 
 def _qmp_cont(qmp_sock: Path) -> None:

@@ -11,7 +11,9 @@ busybox, the static corral-init, the few modules the guest needs (virtio-mmio, -
 (:data:`INIT_SCRIPT`), which
 
   1. mounts /proc, /sys, /dev and loads the modules,
-  2. mounts each EROFS layer from its virtio-blk disk (serial ``l<i>``, read-only),
+  2. mounts each EROFS layer read-only: from ``/dev/pmem<i>`` with DAX when the node
+     mapped the layers as memory (``corral.dax=1``, see :mod:`.dax`), else from its
+     virtio-blk disk (serial ``l<i>``),
   3. mounts the writable disk (serial ``rw``, ext4 made by the host in the sandbox's
      scratch subvolume) and composes the root with overlayfs as containers do,
   4. puts corral-init, busybox and corral-tar on a read-only tmpfs at ``/.corral``, with
@@ -40,8 +42,18 @@ from corral.init import ensure_tar_built
 
 __all__ = ["INIT_SCRIPT", "Kernel", "build_initramfs", "fetch_kernel", "find_kernel"]
 
-MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
-"""Modules the guest loads (their dependencies come first, from modules.dep)."""
+MODULES = (
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_net",
+    "erofs",
+    "overlay",
+    "nd_pmem",
+    "nd_e820",
+)
+"""Modules the guest loads (their dependencies come first, from modules.dep); nd_pmem and
+nd_e820 make the layer ranges of a DAX boot (corral.backends.microvm.dax) /dev/pmem*."""
 
 BUSYBOX = Path("/bin/busybox")
 """Debian's busybox-static."""
@@ -58,7 +70,7 @@ for a in $($B cat /proc/cmdline); do
   case "$a" in
     corral.layers=*) n=${a#corral.layers=};; corral.probe=1) probe=1;;
     corral.net=*) net=${a#corral.net=};; corral.dns=*) dns=${a#corral.dns=};;
-    corral.hostname=*) hn=${a#corral.hostname=};;
+    corral.hostname=*) hn=${a#corral.hostname=};; corral.dax=1) dax=1;;
   esac
 done
 if [ -n "$probe" ]; then echo "corral-probe-ok" > /dev/console; $B poweroff -f; fi
@@ -71,13 +83,24 @@ disk() {  # the /dev node of the virtio disk with this serial
   done
   return 1
 }
+pmem() {  # layer i of a DAX boot: the i-th pmem range (regions are numbered by address)
+  for t in 1 2 3 4 5 6 7 8 9 10; do
+    [ -b "/dev/pmem$1" ] && { echo "/dev/pmem$1"; return 0; }
+    $B usleep 100000
+  done
+  return 1
+}
 $B mkdir -p /layers /rw /newroot
 lower=""
 i=0
 while [ "$i" -lt "$n" ]; do
-  dev=$(disk "l$i") || fail "no disk for layer $i"
+  if [ -n "$dax" ]; then
+    dev=$(pmem "$i") || fail "no pmem device for layer $i"; opts=ro,dax=always
+  else
+    dev=$(disk "l$i") || fail "no disk for layer $i"; opts=ro
+  fi
   $B mkdir -p "/layers/$i"
-  $B mount -t erofs -o ro "$dev" "/layers/$i" || fail "mount layer $i ($dev)"
+  $B mount -t erofs -o "$opts" "$dev" "/layers/$i" || fail "mount layer $i ($dev, $opts)"
   lower="/layers/$i${lower:+:$lower}"
   i=$((i + 1))
 done
