@@ -753,6 +753,10 @@ class MicroVMBackend:
             await in_thread(unpack)
         except BuildError as e:
             raise SandboxError(f"snapshot of {sandbox_id}: {e.message}") from None
+        except OSError as e:  # e.g. the scratch fs full, or a name past PATH_MAX
+            raise HostError(
+                f"snapshot of {sandbox_id}: unpacking the guest's files failed: {e}"
+            ) from None
         return 0.0
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
