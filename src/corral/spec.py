@@ -417,6 +417,9 @@ class SandboxInfo(_Model):
     """The node's backend that runs it (its OCI runtime, if any, is in ``NodeStatus``)."""
     accel: str | None = None
     """The VM accelerator its backend uses (``kvm`` or ``tcg``); None for containers."""
+    layer_access: str | None = None
+    """How a microVM's guest reads the image layers: ``dax`` (mapped from the node's layer
+    files, one page cache for all) or ``virtio-blk`` (the fallback); None for containers."""
     node_id: str = ""
     """The node that runs it (also the last part of ``id``)."""
     pid: int | None = None

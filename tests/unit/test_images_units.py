@@ -113,6 +113,7 @@ def test_compression_choices() -> None:
     assert _compress_args(None) == []
     assert _compress_args("lz4") == ["-zlz4"]
     assert _compress_args("lz4hc,9") == ["-zlz4hc,9", "-C65536"]  # big pclusters
+    assert _compress_args("dax") == ["-Enoinline_data"]  # uncompressed, block-aligned
     with pytest.raises(InvalidRequest):
         _compress_args("zstd")
 

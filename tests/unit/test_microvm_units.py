@@ -145,3 +145,64 @@ async def test_host_mux_drops_a_guest_that_forges_a_huge_frame(tmp_path: Path) -
     finally:
         await mux.close()
         server.close()
+
+
+def test_dax_plan_lays_out_aligned_pmem_ranges_with_gaps(tmp_path: Path) -> None:
+    """Each layer file is a NUMA node of guest RAM; its pmem range (file + pad) starts and
+    ends 2 MiB aligned, a RAM gap separates ranges, a RAM tail for the initramfs comes
+    last, and the guest keeps exactly its memory size as RAM."""
+    import re
+
+    from corral.backends.microvm import dax
+
+    mib = 1 << 20
+    layers = [(tmp_path / "a.erofs", 1515520), (tmp_path / "b.erofs", 4 * mib)]
+    p = dax.plan(layers, 256, initrd_size=5 * mib)
+    assert p is not None
+    assert p.total_mib == 256 + 2 + 4  # the layer ranges on top of the guest's memory
+    text = " ".join(p.argv)
+    assert f"mem-path={tmp_path / 'a.erofs'},size=1515520,share=on,readonly=on" in text
+    sizes = [
+        int(m) for m in re.findall(r"memory-backend-\w+,id=\w+,(?:mem-path=\S+,)?size=(\d+)", text)
+    ]
+    assert sum(sizes) == p.total_mib * mib
+    ranges = [(int(s), int(a, 16)) for s, a in (k[7:].split("!") for k in p.kernel_args)]
+    assert len(ranges) == 2
+    for size, start in ranges:
+        assert size % dax.ALIGN == 0 and start % dax.ALIGN == 0
+    (s0, a0), (s1, a1) = ranges
+    assert a1 >= a0 + s0 + dax.ALIGN  # a RAM gap: the kernel would merge adjacent ranges
+    ram = p.total_mib * mib - s0 - s1
+    assert ram == 256 * mib
+
+
+def test_dax_plan_falls_back_when_it_cannot_map(tmp_path: Path) -> None:
+    from corral.backends.microvm import dax
+
+    assert dax.plan([(tmp_path / "odd", 4097)], 256, 1 << 20) is None  # not 4 KiB pages
+    assert dax.plan([(tmp_path / "big", 3 << 30)], 256, 1 << 20) is None  # past 3 GiB
+    assert dax.plan([(tmp_path / "a", 4096)], 16, 1 << 20) is None  # no room for RAM
+    assert dax.plan([(tmp_path / "a,b", 4096)], 256, 1 << 20) is None  # QEMU option syntax
+
+
+def test_vm_argv_with_dax_maps_layers_and_has_no_layer_disks(tmp_path: Path) -> None:
+    from corral.backends.microvm import dax
+
+    layer = tmp_path / "l0.erofs"
+    plan = dax.plan([(layer, 8192)], 256, 1 << 20)
+    f = qemu.VMFiles(
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        layers=[layer],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "c.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+        dax=plan,
+    )
+    argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas="999:999")
+    text = " ".join(argv)
+    assert "microvm,isa-serial=on,pcie=on" in argv
+    assert "corral.dax=1" in text and "memmap=2097152!" in text
+    assert "serial=l0" not in text and "serial=rw" in text
+    assert argv[argv.index("-m") + 1] == f"{256 + 2}M"

@@ -71,6 +71,8 @@ class Started:
     container, the VMM of a VM)."""
     cgroup: str
     """Name of the sandbox's cgroup under the node's subtree (all its processes are there)."""
+    layer_access: str | None = None
+    """How a VM's guest reads the image layers (``dax`` or ``virtio-blk``); None: not a VM."""
 
 
 class Meters(Protocol):

@@ -62,6 +62,10 @@ class MicroVMConfig(BaseModel):
     memory_overhead: int = Field(256 << 20, ge=0)
     """Bytes the sandbox's cgroup allows beyond the guest's memory (QEMU itself, its
     translation cache under TCG)."""
+    dax: bool = True
+    """Map the image layers into the guest as pmem and mount them with DAX (one host page
+    cache, no copy in the guest) where the layout allows (corral.backends.microvm.dax);
+    False: virtio-blk disks always (the baseline the bench compares against)."""
 
 
 class VMConfig(MicroVMConfig):

@@ -67,7 +67,9 @@ def _store(ctx: typer.Context, store_dir: Path | None) -> LayerStore:
     from corral.images.store import LayerStore
 
     g: Globals = ctx.obj
-    return LayerStore(store_dir if store_dir is not None else g.config().store_dir)
+    cfg = g.config()
+    compress = None if cfg.store_compress == "none" else cfg.store_compress
+    return LayerStore(store_dir if store_dir is not None else cfg.store_dir, compress=compress)
 
 
 @contextlib.contextmanager

@@ -77,13 +77,21 @@ def version() -> str:
     return m.group(1)
 
 
+DAX = "dax"
+"""The ``compress`` setting for layers a microVM maps with DAX: uncompressed, and no file
+tail packed inline beside its inode (EROFS maps only block-aligned, uncompressed file
+data: a packed tail, or any compressed file, is copied into the guest's page cache)."""
+
+
 def _compress_args(compress: str | None) -> list[str]:
     if compress is None or compress in ("", "none"):
         return []
+    if compress == DAX:
+        return ["-Enoinline_data"]
     algo, _, level = compress.partition(",")
     if algo not in ("lz4", "lz4hc") or (level and not level.isdigit()):
         raise InvalidRequest(
-            f"compression {compress!r} is not supported; use None, 'lz4' or 'lz4hc[,LEVEL]'"
+            f"compression {compress!r} is not supported; use None, 'dax', 'lz4' or 'lz4hc[,LEVEL]'"
         )
     return [f"-z{compress}"] + ([f"-C{LZ4HC_PCLUSTER}"] if algo == "lz4hc" else [])
 

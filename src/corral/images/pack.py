@@ -43,7 +43,7 @@ from corral.host.userns import UserNamespace
 from corral.images.store import LayerStore
 from corral.spec import LayerInfo
 
-__all__ = ["PLATFORM_PATHS", "Tally", "pack_upper", "scrub", "normalize"]
+__all__ = ["PLATFORM_PATHS", "Tally", "pack_tree", "pack_upper", "scrub", "normalize"]
 
 PLATFORM_PATHS = (".corral",)
 """Top-level names in an upper that corral, not the guest, put there."""
@@ -170,3 +170,31 @@ def pack_upper(
     finally:
         with contextlib.suppress(OSError):
             mount_dir.rmdir()
+
+
+def pack_tree(
+    store: LayerStore,
+    upper: Path,
+    *,
+    id_count: int,
+    source: str,
+    max_bytes: int,
+    compress: str | None = "lz4",
+) -> LayerInfo:
+    """:func:`pack_upper` for an upper whose owners are already image-relative (root = 0):
+    a microVM's, unpacked on the host from the tar its guest sent
+    (:mod:`corral.images.uppertar`). No idmapped view: mkfs reads ``upper`` itself."""
+    scrub(upper)
+    tally = normalize(upper, 0, id_count)
+    if tally.apparent > max(max_bytes, tally.allocated):
+        raise Conflict(
+            f"snapshot of {source}: its files add up to {tally.apparent} bytes, more than "
+            f"its disk limit of {max_bytes}"
+        )
+    return store.add_dir(
+        upper,
+        kind="snapshot",
+        source=source,
+        meta={"entries": str(tally.entries), "bytes": str(tally.apparent)},
+        compress=compress,
+    )

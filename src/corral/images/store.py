@@ -131,7 +131,8 @@ class LayerStore:
     ) -> None:
         """Open (creating if needed) the store at ``root``.
 
-        ``compress``: what ``add_dir`` passes to mkfs.erofs (``"lz4"``, ``"lz4hc"`` or None).
+        ``compress``: what ``add_dir`` passes to mkfs.erofs (``"lz4"``, ``"lz4hc"``, None, or
+        ``"dax"``: uncompressed for microVMs that map layers with DAX, see erofs.DAX).
         ``timeout``: seconds a metadata read may take before StoreUnavailable (None: wait
         as long as the filesystem does).
         """

@@ -15,10 +15,13 @@ from pathlib import Path
 
 from corral.host.cbuild import build_static
 
-__all__ = ["SOURCE", "CFLAGS", "ensure_built"]
+__all__ = ["SOURCE", "TAR_SOURCE", "CFLAGS", "ensure_built", "ensure_tar_built"]
 
 SOURCE = Path(__file__).with_name("corral-init.c")
 """The single C file of the init."""
+
+TAR_SOURCE = Path(__file__).with_name("corral-tar.c")
+"""corral-tar: writes a guest's overlay upper as a pax tar (microVM snapshots)."""
 
 CFLAGS = ("-static", "-O2", "-Wall", "-s")
 """Static, so it runs in any rootfs (no libc needed inside the image); stripped, small."""
@@ -29,3 +32,9 @@ def ensure_built(out_dir: Path) -> Path:
     (see :func:`corral.host.cbuild.build_static`). Raises HostError with the compiler
     output when compiling fails."""
     return build_static("corral-init", SOURCE.read_bytes(), CFLAGS, out_dir)
+
+
+def ensure_tar_built(out_dir: Path) -> Path:
+    """Compile corral-tar (the microVM guest's upper-dir streamer) into ``out_dir``, as
+    :func:`ensure_built` does for the init."""
+    return build_static("corral-tar", TAR_SOURCE.read_bytes(), CFLAGS, out_dir)

@@ -49,6 +49,10 @@ class NodeConfig(BaseModel):
     """Node state: SQLite database, sandbox bundles, layer mounts, scratch filesystem."""
     store: Path | None = None
     """Layer store directory (may be a shared filesystem); default ``state_dir/store``."""
+    store_compress: Literal["lz4", "lz4hc", "none", "dax"] = "lz4"
+    """How layers this node builds are stored: ``lz4`` (smaller store, more CPU to read)
+    or ``dax``: uncompressed and block-aligned, so microVMs map their files with DAX (one
+    host page cache, no copy in each guest; corral.images.erofs.DAX)."""
     run_dir: Path = Path("/run/corral")
     """Runtime state (OCI runtime root, API socket)."""
     host_uid: int = Field(100000, ge=1000)

@@ -61,7 +61,9 @@ async def open_host(
     node_id = node_id_file.read_text().strip()
     state = StateStore(cfg.state_dir / "state.db")
     closers.append(state.close)
-    store = LayerStore(cfg.store_dir)
+    store = LayerStore(
+        cfg.store_dir, compress=None if cfg.store_compress == "none" else cfg.store_compress
+    )
     if parts is None:
         cgroups = Cgroups(cfg.cgroup_subtree)
         scratch = Scratch(

@@ -144,7 +144,9 @@ class Lifecycle:
             if isinstance(e, Exception):
                 raise HostError(f"creating sandbox failed: {e}") from e
             raise
-        info = self.table.set_state(sid, "running", pid=started.pid, address=address)
+        info = self.table.set_state(
+            sid, "running", pid=started.pid, address=address, layer_access=started.layer_access
+        )
         self.state.add_event(sid, "created", {"image": spec.image, "pid": started.pid, **why})
         self.security.created(sid)
         self.record("create", t, info)

@@ -20,17 +20,20 @@ and is the pid the node knows the sandbox by. Pause: the node's shared cgroup fr
 :meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
 the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
 Fork: the machine is migrated into the fork copy with the disk (:meth:`copy_writable`),
-each child restored from it (:meth:`_create_fork`). Not yet: virtio-pmem with DAX for the
-layers (why: docs/design-notes.md, "MicroVMs"), and snapshot to a store layer (``pack``
-and ``copy_writable("snapshot")`` refuse with InvalidRequest: the writable layer is an ext4
-image the host must not mount, so packing it needs the guest's agent to stream its upper
-dir, which corral-init cannot see after switch_root yet).
+each child restored from it (:meth:`_create_fork`). Snapshot to a store layer: the
+writable layer is an ext4 image the host never mounts, so the guest streams its overlay
+upper dir (bound read-only at ``/.corral/upper`` by the initramfs) out through the agent
+as a tar (``/.corral/tar``), the node unpacks it with its own checks into a scratch
+subvolume and packs that as containers do (:meth:`_copy_upper`, :meth:`pack`). Not yet:
+virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -57,11 +60,13 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import guest, qemu
+from corral.backends.microvm import dax, guest, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
-from corral.errors import Conflict, HostError, InvalidRequest, SandboxError
+from corral.errors import BuildError, Conflict, HostError, SandboxError
+from corral.images.pack import pack_tree
+from corral.images.uppertar import unpack_upper
 from corral.init import ensure_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
@@ -180,7 +185,7 @@ class MicroVMBackend:
             detail={
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
-                "layers": "virtio-blk",
+                "layers": "dax, virtio-blk fallback" if self.config.dax else "virtio-blk",
                 "network": "tap+nat in the VMM netns",
                 "pause": "freeze, memory_snapshot",
                 "fork": "memory + disk",
@@ -253,7 +258,11 @@ class MicroVMBackend:
                 await self._create_fork(sandbox_id, spec, image, writable_from, undo, phases)
             else:
                 await self._create(sandbox_id, spec, image, undo, phases)
-            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+            return Started(
+                pid=self._holder(sandbox_id),
+                cgroup=sandbox_id,
+                layer_access=self._layer_access(sandbox_id),
+            )
         except BaseException:
             await run_undo(undo)
             raise
@@ -333,7 +342,14 @@ class MicroVMBackend:
 
     def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
         """QEMU's command line, run with the sandbox dir as its cwd (a subclass with another
-        machine overrides this; a restore reuses what it returned, from ``vm.json``)."""
+        machine overrides this; a restore reuses what it returned, from ``vm.json``). The
+        layers go as pmem for DAX when the config allows and :func:`.dax.plan` finds a
+        layout (a fork's children get the same one: same layers, memory and initramfs)."""
+        if self.config.dax and files.layers and self.initrd is not None:
+            sizes = [(p, p.stat().st_size) for p in files.layers]
+            files = dataclasses.replace(
+                files, dax=dax.plan(sizes, mem_mib, self.initrd.stat().st_size)
+            )
         return qemu.vm_argv(
             files,
             accel=self.accel,
@@ -343,6 +359,14 @@ class MicroVMBackend:
             dns=self._resolver(),
             hostname=spec.hostname,
         )
+
+    def _layer_access(self, sandbox_id: str) -> str:
+        """``dax`` if the VM's command line maps its layers as pmem, else ``virtio-blk``."""
+        try:
+            argv = json.loads((self.dir(sandbox_id) / "vm.json").read_text())["argv"]
+        except (OSError, ValueError, KeyError):
+            return "virtio-blk"
+        return "dax" if any("corral.dax=1" in a for a in argv) else "virtio-blk"
 
     def _resolver(self) -> str | None:
         """The nameserver the node gives containers (its resolv.conf mount), if any."""
@@ -410,7 +434,11 @@ class MicroVMBackend:
             return None
         self._mux[sandbox_id] = mux
         try:
-            return Started(pid=self._holder(sandbox_id), cgroup=sandbox_id)
+            return Started(
+                pid=self._holder(sandbox_id),
+                cgroup=sandbox_id,
+                layer_access=self._layer_access(sandbox_id),
+            )
         except SandboxError as e:
             log.warning("adopt %s: %s", sandbox_id, e)
             await self._drop_mux(sandbox_id)
@@ -559,17 +587,18 @@ class MicroVMBackend:
             await mux.attach()
         return time.monotonic() - t0
 
-    # ------------------------------------------------------------------ not yet
+    # ------------------------------------------------------------------ snapshot, fork
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
     ) -> float:
-        """Fork: the whole machine. QEMU stops the guest and migrates it into ``fork.snap``
+        """Snapshot: the guest's upper dir, streamed out by its agent (:meth:`_copy_upper`).
+        Fork: the whole machine. QEMU stops the guest and migrates it into ``fork.snap``
         in the sandbox dir, the subvolume (writable disk + that file) is snapshotted as
         ``dst``, and the guest goes on (``cont``). Returns the seconds it was stopped. A VM
         saved by a memory-snapshot pause is copied as it is. (``frozen`` is not used: QMP
         cannot talk to a frozen QEMU; ``stop`` is the freeze.)"""
-        if purpose != "fork":
-            raise InvalidRequest(f"{purpose}: not yet for microvm sandboxes")
+        if purpose == "snapshot":
+            return await self._copy_upper(sandbox_id, dst)
         d = self.dir(sandbox_id)
         scratch = self.scratch
         if self.saved(sandbox_id):
@@ -661,11 +690,95 @@ class MicroVMBackend:
                     f"sandbox {sandbox_id}: fork identity not set: {r.stderr[-300:]!r}"
                 )
 
+    async def _copy_upper(self, sandbox_id: str, dst: str) -> float:
+        """The guest's overlay upper dir into ``dst/upper`` (a new scratch subvolume):
+        the guest's ``/.corral/tar`` (corral-tar) writes it as a tar to the agent's stdout,
+        the node keeps the stream in ``dst/upper.tar`` and unpacks it with its own checks
+        (:func:`corral.images.uppertar.unpack_upper`: the archive is the guest's, so
+        untrusted). The host never mounts the guest's disk.
+
+        Not frozen: the guest runs on while its files are read (QMP ``stop`` would stop the
+        agent too), so a file written meanwhile may be caught half done; each file is read
+        once, at the size it had when listed. Returns 0.0 (no time held frozen)."""
+        if self.saved(sandbox_id) or self.cgroups.is_frozen(sandbox_id):
+            raise Conflict(
+                f"sandbox {sandbox_id} is paused: resume it before a snapshot of a microVM "
+                "(its agent streams the files out)"
+            )
+        disk = (self.dir(sandbox_id) / "disk.img").stat().st_size
+        # tar framing: 512 B per entry (1.5 KiB with a pax header) on top of the data; an
+        # ext4 disk of this size holds at most one inode per 16 KiB
+        limit = 2 * disk + (64 << 20)
+        work = await in_thread(self.scratch.create_subvol, dst, None)
+        os.chmod(work, 0o700)  # setuid files of the guest's: no one else may reach them
+        archive = work / "upper.tar"
+        err = bytearray()
+        got = 0
+        stream = self.agent(sandbox_id).stream(
+            [_TAR, _UPPER],
+            env={"PATH": "/usr/bin:/bin"},
+            output_limit=limit,
+            timeout=_SNAPSHOT_TIMEOUT,
+            keep_output=False,
+        )
+        # Safe: a new file in the node's own new scratch subvolume.
+        with open(archive, "wb") as f:
+            async with stream:
+                async for kind, data in stream:
+                    if kind == "stdout":
+                        got += len(data)
+                        await asyncio.to_thread(f.write, data)
+                    elif len(err) < 4096:
+                        err += data[: 4096 - len(err)]
+        r = stream.result
+        if r.reason == "output_limit" or got > limit:
+            raise SandboxError(
+                f"snapshot of {sandbox_id}: the guest's upper dir streamed more than "
+                f"{limit} bytes (its disk is {disk}); refused"
+            )
+        if r.reason != "exited" or r.code != 0:
+            raise SandboxError(
+                f"snapshot of {sandbox_id}: streaming the guest's upper dir failed "
+                f"({r.reason}, code {r.code}): {bytes(err).decode(errors='replace')[-500:]}"
+            )
+
+        def unpack() -> None:
+            try:
+                with open(archive, "rb") as f:
+                    unpack_upper(f, work / "upper", max_bytes=disk, id_count=self.ctx.id_count)
+            finally:
+                archive.unlink(missing_ok=True)
+
+        try:
+            await in_thread(unpack)
+        except BuildError as e:
+            raise SandboxError(f"snapshot of {sandbox_id}: {e.message}") from None
+        except OSError as e:  # e.g. the scratch fs full, or a name past PATH_MAX
+            raise HostError(
+                f"snapshot of {sandbox_id}: unpacking the guest's files failed: {e}"
+            ) from None
+        return 0.0
+
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
-        raise InvalidRequest("snapshot: not yet for microvm sandboxes")
+        """The guest's upper dir, unpacked by :meth:`_copy_upper` (owners already the
+        guest's own ids, image-relative), as a new EROFS layer: the same mkfs path as a
+        container's snapshot."""
+        return await in_thread(
+            functools.partial(
+                pack_tree,
+                self.ctx.store,
+                self.scratch.mountpoint / work / "upper",
+                id_count=self.ctx.id_count,
+                source=source,
+                max_bytes=max_bytes,
+            )
+        )
 
 
 _SNAP = "mem.snap"
+_SNAPSHOT_TIMEOUT = 600.0  # seconds for the guest to stream its upper dir out
+_TAR = "/.corral/tar"  # corral-tar in the guest (the initramfs puts it there)
+_UPPER = "/.corral/upper"  # the guest's overlay upper dir, bound read-only
 _FORK = "fork.snap"  # the machine state in a fork copy (mem.snap in each child)
 
 
@@ -673,6 +786,7 @@ def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[st
     """Stop the guest, migrate its state into ``fd``, quit QEMU unless not ``quit`` (then
     the guest stays stopped for the caller to ``cont``). Blocking: run in a thread."""
     with Qmp(qmp_sock) as q:
+        _ignore_shared(q)
         q.cmd("stop")
         q.cmd("getfd", fds=[fd], fdname="snap")
         q.cmd("migrate", uri="fd:snap")
@@ -685,6 +799,7 @@ def _save(qmp_sock: Path, fd: int, timeout: float, quit: bool = True) -> dict[st
 def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
     """Feed ``fd`` to a QEMU started with ``-incoming defer``; wait until the guest runs."""
     with Qmp(qmp_sock) as q:
+        _ignore_shared(q)
         q.cmd("getfd", fds=[fd], fdname="snap")
         q.cmd("migrate-incoming", uri="fd:snap")
         q.wait_migration(timeout)
@@ -692,6 +807,15 @@ def _load(qmp_sock: Path, fd: int, timeout: float) -> None:
         if q.cmd("query-status").get("status") != "running":
             q.cmd("cont")
         q.wait_status("running", timeout)
+
+
+def _ignore_shared(q: Qmp) -> None:
+    """Leave shared memory (the DAX-mapped layer files) out of the state file: it is the
+    store's file, there again on restore (read-only, so restoring into it would fail)."""
+    q.cmd(
+        "migrate-set-capabilities",
+        capabilities=[{"capability": "x-ignore-shared", "state": True}],
+    )
 
 
 def _qmp_cont(qmp_sock: Path) -> None:

@@ -11,10 +11,13 @@ busybox, the static corral-init, the few modules the guest needs (virtio-mmio, -
 (:data:`INIT_SCRIPT`), which
 
   1. mounts /proc, /sys, /dev and loads the modules,
-  2. mounts each EROFS layer from its virtio-blk disk (serial ``l<i>``, read-only),
+  2. mounts each EROFS layer read-only: from ``/dev/pmem<i>`` with DAX when the node
+     mapped the layers as memory (``corral.dax=1``, see :mod:`.dax`), else from its
+     virtio-blk disk (serial ``l<i>``),
   3. mounts the writable disk (serial ``rw``, ext4 made by the host in the sandbox's
      scratch subvolume) and composes the root with overlayfs as containers do,
-  4. puts corral-init and busybox on a read-only tmpfs at ``/.corral``, and
+  4. puts corral-init, busybox and corral-tar on a read-only tmpfs at ``/.corral``, with
+     the upper dir bound read-only at ``/.corral/upper`` (a snapshot streams it out), and
   5. ``switch_root``s to corral-init as PID 1, serving the node over the virtio-serial
      port named ``corral.ctl`` (``--vmux``, see docs/init-protocol.md).
 
@@ -35,11 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corral.errors import HostError
+from corral.init import ensure_tar_built
 
 __all__ = ["INIT_SCRIPT", "Kernel", "build_initramfs", "fetch_kernel", "find_kernel"]
 
-MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
-"""Modules the guest loads (their dependencies come first, from modules.dep)."""
+MODULES = (
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_net",
+    "erofs",
+    "overlay",
+    "nd_pmem",
+    "nd_e820",
+)
+"""Modules the guest loads (their dependencies come first, from modules.dep); nd_pmem and
+nd_e820 make the layer ranges of a DAX boot (corral.backends.microvm.dax) /dev/pmem*."""
 
 BUSYBOX = Path("/bin/busybox")
 """Debian's busybox-static."""
@@ -56,7 +70,7 @@ for a in $($B cat /proc/cmdline); do
   case "$a" in
     corral.layers=*) n=${a#corral.layers=};; corral.probe=1) probe=1;;
     corral.net=*) net=${a#corral.net=};; corral.dns=*) dns=${a#corral.dns=};;
-    corral.hostname=*) hn=${a#corral.hostname=};;
+    corral.hostname=*) hn=${a#corral.hostname=};; corral.dax=1) dax=1;;
   esac
 done
 if [ -n "$probe" ]; then echo "corral-probe-ok" > /dev/console; $B poweroff -f; fi
@@ -69,13 +83,24 @@ disk() {  # the /dev node of the virtio disk with this serial
   done
   return 1
 }
+pmem() {  # layer i of a DAX boot: the i-th pmem range (regions are numbered by address)
+  for t in 1 2 3 4 5 6 7 8 9 10; do
+    [ -b "/dev/pmem$1" ] && { echo "/dev/pmem$1"; return 0; }
+    $B usleep 100000
+  done
+  return 1
+}
 $B mkdir -p /layers /rw /newroot
 lower=""
 i=0
 while [ "$i" -lt "$n" ]; do
-  dev=$(disk "l$i") || fail "no disk for layer $i"
+  if [ -n "$dax" ]; then
+    dev=$(pmem "$i") || fail "no pmem device for layer $i"; opts=ro,dax=always
+  else
+    dev=$(disk "l$i") || fail "no disk for layer $i"; opts=ro
+  fi
   $B mkdir -p "/layers/$i"
-  $B mount -t erofs -o ro "$dev" "/layers/$i" || fail "mount layer $i ($dev)"
+  $B mount -t erofs -o "$opts" "$dev" "/layers/$i" || fail "mount layer $i ($dev, $opts)"
   lower="/layers/$i${lower:+:$lower}"
   i=$((i + 1))
 done
@@ -89,6 +114,7 @@ $B mkdir -p /newroot/.corral /newroot/proc /newroot/sys /newroot/dev /newroot/tm
 $B mount -t tmpfs -o mode=0755,size=4m corral /newroot/.corral
 $B cp /bin/corral-init /newroot/.corral/init
 $B cp /bin/busybox /newroot/.corral/busybox
+$B cp /bin/corral-tar /newroot/.corral/tar
 # The NIC (a tap NATed to the sandbox's eth0 on the host; no eth0 there: no network)
 $B ip link set lo up
 if [ -n "$net" ] && [ -e /sys/class/net/eth0 ]; then
@@ -107,8 +133,13 @@ fi
 # on the writable disk beside the upper dir (the disk quota; never in a snapshot)
 $B mkdir -p /rw/shells /newroot/.corral/shells
 $B chmod 0700 /rw/shells
+# the upper dir, read-only, for a snapshot: the node streams it out with /.corral/tar
+# (the guest's own files; the host never mounts the disk)
+$B mkdir -p /newroot/.corral/upper
 $B mount -o remount,ro,nosuid,nodev /newroot/.corral
 $B mount --bind /rw/shells /newroot/.corral/shells || fail "shells dir"
+$B mount --bind /rw/upper /newroot/.corral/upper && $B mount -o remount,bind,ro /newroot/.corral/upper \
+  || fail "upper dir"
 port=""
 for p in /sys/class/virtio-ports/*; do
   [ "$($B cat "$p/name" 2>/dev/null)" = corral.ctl ] && port="/dev/${p##*/}"
@@ -225,8 +256,9 @@ def build_initramfs(
     if not BUSYBOX.is_file():
         raise HostError(f"microvm: {BUSYBOX} missing (apt-get install busybox-static)")
     mods = module_order(kernel, modules)
+    tar_bin = ensure_tar_built(init_bin.parent)
     h = hashlib.sha256(INIT_SCRIPT.encode())
-    for p in (init_bin, BUSYBOX, kernel.vmlinuz):
+    for p in (init_bin, tar_bin, BUSYBOX, kernel.vmlinuz):
         h.update(hashlib.sha256(p.read_bytes()).digest())
     h.update("\n".join(mods).encode())
     out = out_dir / f"initramfs-{h.hexdigest()[:16]}.img"
@@ -241,6 +273,7 @@ def build_initramfs(
         ("bin/busybox", 0o100755, BUSYBOX.read_bytes()),
         ("bin/sh", 0o120777, b"busybox"),
         ("bin/corral-init", 0o100755, init_bin.read_bytes()),
+        ("bin/corral-tar", 0o100755, tar_bin.read_bytes()),
         ("modules.list", 0o100644, "\n".join(Path(m).name for m in mods).encode() + b"\n"),
     ]
     for m in mods:

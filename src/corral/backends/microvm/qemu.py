@@ -25,6 +25,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.backends.microvm.dax import DaxPlan
 from corral.errors import HostError
 
 __all__ = [
@@ -71,6 +72,8 @@ class VMFiles:
     """QEMU's QMP control socket (memory snapshots), in the sandbox dir."""
     incoming: bool = False
     """Start waiting for a migration stream (``-incoming defer``): a memory-snapshot restore."""
+    dax: DaxPlan | None = None
+    """Map the layers as pmem for DAX (:mod:`.dax`); None: virtio-blk disks."""
 
 
 def vm_argv(
@@ -88,6 +91,8 @@ def vm_argv(
     (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
     /etc/resolv.conf names (the node's); ``hostname``: the guest's."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
+    if files.dax is not None:
+        append += " corral.dax=1 " + " ".join(files.dax.kernel_args)
     if files.mac:
         tap_addr, guest_addr, prefix = GUEST_NET
         append += f" corral.net={guest_addr}/{prefix},{tap_addr}"
@@ -105,13 +110,13 @@ def vm_argv(
     argv = [
         qemu,
         "-M",
-        "microvm,isa-serial=on",
+        # pcie=on for DAX: the guest kernel inserts the pmem ranges in its PCI survey
+        "microvm,isa-serial=on" + (",pcie=on" if files.dax is not None else ""),
         "-accel",
         "tcg,tb-size=64" if accel == "tcg" else accel,
         "-cpu",
         "max" if accel == "tcg" else "host",
-        "-m",
-        str(memory_mib),
+        *(files.dax.argv if files.dax is not None else ["-m", str(memory_mib)]),
         "-smp",
         str(cpus),
         "-nodefaults",
@@ -153,7 +158,7 @@ def vm_argv(
         argv += ["-qmp", f"unix:{files.qmp_sock},server=on,wait=off"]
     if files.incoming:
         argv += ["-incoming", "defer"]
-    for i, layer in enumerate(files.layers):
+    for i, layer in enumerate(files.layers if files.dax is None else []):
         # Shared read-only by every VM using the layer: no image locks.
         argv += [
             "-drive",

@@ -75,7 +75,8 @@ class VMBackend(MicroVMBackend):
 
     def status(self) -> BackendStatus:
         s = super().status()
-        return s.model_copy(update={"detail": {**s.detail, "display": "VGA (QMP screendump)"}})
+        detail = {**s.detail, "display": "VGA (QMP screendump)", "layers": "virtio-blk"}
+        return s.model_copy(update={"detail": detail})
 
     def _vm_argv(self, files: qemu.VMFiles, spec: SandboxSpec, mem_mib: int, uid: int) -> list[str]:
         size = spec.desktop or _HEADLESS
