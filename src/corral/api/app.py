@@ -640,7 +640,9 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     _after = Query(None, description="cursor of the last event seen (its ``cursor`` field)")
     _limit = Query(1000, description="most events to return (1-10000)")
 
-    @r.get("/events", response_model=list[Event], tags=["events"])
+    _gone = {410: _error("CursorExpired: the cursor is older than the node's event retention")}
+
+    @r.get("/events", response_model=list[Event], responses=_gone, tags=["events"])
     async def events(
         sandbox_id: str | None = None,
         after: str | None = _after,
@@ -668,7 +670,7 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         )
         return _json(found)
 
-    @r.get(sb + "/events", response_model=list[Event], tags=["events"])
+    @r.get(sb + "/events", response_model=list[Event], responses=_gone, tags=["events"])
     async def sandbox_events(
         sandbox_id: str,
         after: str | None = _after,
