@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api._pty import pty_router
+from corral.api.bigbody import exec_result_response
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
 from corral.integrations.e2b import E2BConfig, E2BGateway, e2b_config
 from corral.ops import NodeOps
@@ -503,7 +504,8 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     # --- exec
     @r.post(sb + "/exec", response_model=ExecResult, tags=["exec"])
     async def exec_(sandbox_id: str, req: ExecRequest) -> Response:
-        return _json(await ops.exec(sandbox_id, req))
+        # a big output is streamed in slices: its encoding must not stall the event loop
+        return exec_result_response(await ops.exec(sandbox_id, req))
 
     @r.post(
         sb + "/exec/stream",
