@@ -130,3 +130,26 @@ async def test_a_cursor_older_than_the_retention_is_refused_clearly(tmp_path: Pa
         assert len(kept) == 2 and kept[0].id == node.state.events_trimmed_through() + 1
         # the cursor of the last trimmed event itself misses nothing
         assert await node.events(after=kept[0].cursor) == kept[1:]
+
+
+async def test_over_http_an_expired_cursor_is_a_documented_410(tmp_path: Path) -> None:
+    import httpx
+
+    from corral.api import create_app
+    from corral.errors import error_from_wire
+
+    async with open_fake_node(tmp_path) as node:
+        for _ in range(3):
+            await node.sandbox_create(SPEC)
+        old = (await node.events(limit=1))[0].cursor
+        node.state.trim_events(keep=1)
+        app = create_app(node)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://corral.test"
+        ) as c:
+            r = await c.get("/v1/events", params={"after": old})
+            spec = (await c.get("/openapi.json")).json()
+        assert r.status_code == 410
+        assert isinstance(error_from_wire(r.json(), 410), CursorExpired)
+        assert "410" in spec["paths"]["/v1/events"]["get"]["responses"]
+        assert "410" in spec["paths"]["/v1/sandboxes/{sandbox_id}/events"]["get"]["responses"]

@@ -642,7 +642,9 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     _after = Query(None, description="cursor of the last event seen (its ``cursor`` field)")
     _limit = Query(1000, description="most events to return (1-10000)")
 
-    _gone = {410: _error("CursorExpired: the cursor is older than the node's event retention")}
+    _gone: dict[int | str, dict[str, Any]] = {
+        410: _error("CursorExpired: the cursor is older than the node's event retention")
+    }
 
     @r.get("/events", response_model=list[Event], responses=_gone, tags=["events"])
     async def events(
