@@ -283,7 +283,9 @@ class StateStore:
         if self._closed:
             return 0
         gone = 0
-        lo, hi = self._db.execute("SELECT MIN(id), MAX(id) FROM events").fetchone()
+        # two queries: SQLite answers a lone MIN or MAX from the key, both at once by a scan
+        lo = self._db.execute("SELECT MIN(id) FROM events").fetchone()[0]
+        hi = self._db.execute("SELECT MAX(id) FROM events").fetchone()[0]
         if lo is not None:
             # ids grow with time: both bounds cut a prefix; look at the oldest batch only
             cur = self._db.execute(
@@ -291,11 +293,14 @@ class StateStore:
                 (lo + batch, hi - events_max, now - events_for),
             )
             gone += cur.rowcount
-        total, old = self._db.execute(
-            "SELECT COUNT(*), COUNT(CASE WHEN last_active_at < ? THEN 1 END) FROM sandboxes "
-            "WHERE state='destroyed'",
+        # both counts from the index sandboxes_gone (state, last_active_at)
+        total = self._db.execute(
+            "SELECT COUNT(*) FROM sandboxes WHERE state='destroyed'"
+        ).fetchone()[0]
+        old = self._db.execute(
+            "SELECT COUNT(*) FROM sandboxes WHERE state='destroyed' AND last_active_at < ?",
             (now - destroyed_for,),
-        ).fetchone()
+        ).fetchone()[0]
         doomed = min(batch, max(int(total) - destroyed_max, int(old)))
         if doomed > 0:  # the oldest destroyed first (index sandboxes_gone)
             cur = self._db.execute(
