@@ -1,8 +1,9 @@
 """The node's periodic pass: TTLs, idle timeouts and idle pauses, dead sandboxes.
 
 Once per ``reaper_interval`` it writes the activity stamps gathered since the last pass,
-prunes the state database to its retention (events, destroyed sandboxes), flushes coalesced security events, then looks at the sandboxes that
-need it: past its TTL -> destroyed (a paused one too), or paused for a ``ttl_action``
+prunes the state database to its retention (events, destroyed sandboxes: see
+corral.node.retention), flushes coalesced security events, then looks at the sandboxes
+that need it: past its TTL -> destroyed (a paused one too), or paused for a ``ttl_action``
 of ``pause`` (then its TTL is cleared); idle past ``idle_pause`` -> paused
 in the background; idle past ``idle_timeout`` -> destroyed (a paused one is spared: pausing
 is how an idle sandbox is kept); an agent that died -> ``died`` event and destroyed. A

@@ -48,8 +48,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     idle_timeout REAL,
     last_active_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- (state, last_active_at): live lookups by state, and retention's oldest destroyed first;
+-- it replaces the earlier index on state alone (one index to update per write, not two)
 CREATE INDEX IF NOT EXISTS sandboxes_gone ON sandboxes(state, last_active_at);
+DROP INDEX IF EXISTS sandboxes_state;
 CREATE TABLE IF NOT EXISTS shells (
     id TEXT PRIMARY KEY,
     sandbox_id TEXT NOT NULL,
