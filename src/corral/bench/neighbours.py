@@ -299,7 +299,7 @@ async def _effect(node: Any, attacker: Sandbox) -> dict[str, Any]:
     return out
 
 
-async def _bitten(node: Any, attacker: Sandbox, name: str, base_pids: int = 1) -> bool:
+async def _bitten(node: Any, attacker: Sandbox, name: str) -> bool:
     """Whether attack ``name`` is at full strength: the kernel refused or killed something
     of it, its disk is full, or every one of its processes has exhausted what it took."""
     if name == "fork_bomb":
@@ -313,18 +313,20 @@ async def _bitten(node: Any, attacker: Sandbox, name: str, base_pids: int = 1) -
         return sum(1 for o in outs if o) >= 8  # each printed how far it got
     if name == "cpu_burn":
         return (await _effect(node, attacker)).get("processes", 0) > (os.cpu_count() or 1)
-    if name == "output_flood":  # on from its first byte: once a `yes` runs
-        return (await _effect(node, attacker)).get("processes", 0) >= base_pids + 1
+    if name == "output_flood":
+        # on from its first byte: once an exec of it is in the node (its clients start
+        # in processes of their own), or already over, stopped at its cap
+        if node.table.busy(attacker.id):
+            return True
+        return bool(await node.events(sandbox_id=attacker.id, kinds=["output_limit"]))
     return True
 
 
-async def _until_bitten(
-    node: Any, attacker: Sandbox, name: str, base_pids: int = 1, limit: float = 60
-) -> bool:
+async def _until_bitten(node: Any, attacker: Sandbox, name: str, limit: float = 60) -> bool:
     """Wait (up to ``limit`` s) until the attack is at full strength: the readiness
     signal before its window is measured."""
     deadline = time.monotonic() + limit
-    while not await _bitten(node, attacker, name, base_pids):
+    while not await _bitten(node, attacker, name):
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.1)
@@ -351,12 +353,9 @@ async def _one_attack(
     res: dict[str, Any] = {"name": name}
     execs: list[asyncio.Task[Any]] = []
     try:
-        base_pids = 1  # what runs before the attack: its init
-        with contextlib.suppress(Exception):
-            base_pids = node.cgroups.pids_current(attacker.id)
         execs = await _start_attack(attacker, name, seconds, address)
         t0 = time.perf_counter()
-        res["bit"] = await _until_bitten(node, attacker, name, base_pids)
+        res["bit"] = await _until_bitten(node, attacker, name)
         res["ramp_s"] = round(time.perf_counter() - t0, 3)
         w = await _probe(client, neighbour, seconds)
         res["harmed"] = await _harm(bystander, neighbour, digest)
