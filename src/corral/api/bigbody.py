@@ -2,11 +2,12 @@
 
 An exec may return up to its ``output_limit`` of each stream (64 MiB when a caller asks
 for it). ``model_dump_json`` of such a result is one call that base64-encodes it all:
-~0.3 s for 64 MiB on this machine, during which the agent's event loop answers no one,
-so one sandbox flooding its output stalled every other sandbox's exec and the API
+~0.3 s of CPU for 64 MiB on this machine, during which the agent's event loop answers no
+one, so one sandbox flooding its output held up every other sandbox's exec and the API
 (``corral bench neighbours``: the output flood). Here the same bytes are produced in
-slices of :data:`SLICE` input bytes (well under 1 ms each on a quiet core), the response streams them, and other
-requests run between the slices; the socket's flow control paces it to the client.
+slices of :data:`SLICE` input bytes (0.6 ms each at the median), the response streams
+them, and other requests run between the slices; the socket's flow control paces it to
+the client.
 
 The body is byte for byte what ``model_dump_json`` writes (URL-safe base64 with padding,
 pydantic's ``ser_json_bytes="base64"``): clients see no difference.
