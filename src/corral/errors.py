@@ -9,6 +9,7 @@
     │   ├── LayerNotFound
     │   └── ProcessNotFound          a background process or shell id
     ├── Conflict                     wrong state for the operation (HTTP 409)
+    ├── CursorExpired                an events cursor older than the node's retention (HTTP 410)
     ├── CapacityError                the node refuses: no room for another sandbox (HTTP 503)
     │   ├── ScratchFull              the node's scratch filesystem (all writable layers) is full
     │   └── JobQuotaExceeded         a job's own limit (live cap) is reached (HTTP 429)
@@ -38,6 +39,7 @@ __all__ = [
     "LayerNotFound",
     "ProcessNotFound",
     "Conflict",
+    "CursorExpired",
     "CapacityError",
     "ScratchFull",
     "QuotaExceeded",
@@ -101,6 +103,17 @@ class ProcessNotFound(NotFound):
 
 class Conflict(CorralError):
     status = 409
+
+
+class CursorExpired(CorralError):
+    """An ``events`` cursor points before the oldest event the node still keeps: the
+    events between were trimmed by its retention (``event_retention``, ``event_max_age``)
+    and can no longer be read, so continuing from it would skip them silently.
+
+    HTTP 410 (Gone), like a watch whose resource version is too old. Reading again
+    without a cursor starts at the oldest kept event, all of them newer than the cursor."""
+
+    status = 410
 
 
 class CapacityError(CorralError):
@@ -182,6 +195,7 @@ KINDS: dict[str, type[CorralError]] = {
         LayerNotFound,
         ProcessNotFound,
         Conflict,
+        CursorExpired,
         CapacityError,
         ScratchFull,
         QuotaExceeded,

@@ -47,6 +47,7 @@ PUBLIC = {
     "LayerNotFound",
     "ProcessNotFound",
     "Conflict",
+    "CursorExpired",
     "CapacityError",
     "ScratchFull",
     "QuotaExceeded",

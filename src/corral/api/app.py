@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api._pty import pty_router
+from corral.api.bigbody import exec_result_response
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
 from corral.integrations.e2b import E2BConfig, E2BGateway, e2b_config
 from corral.ops import NodeOps
@@ -503,7 +504,8 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     # --- exec
     @r.post(sb + "/exec", response_model=ExecResult, tags=["exec"])
     async def exec_(sandbox_id: str, req: ExecRequest) -> Response:
-        return _json(await ops.exec(sandbox_id, req))
+        # a big output is streamed in slices: its encoding must not stall the event loop
+        return exec_result_response(await ops.exec(sandbox_id, req))
 
     @r.post(
         sb + "/exec/stream",
@@ -640,7 +642,11 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
     _after = Query(None, description="cursor of the last event seen (its ``cursor`` field)")
     _limit = Query(1000, description="most events to return (1-10000)")
 
-    @r.get("/events", response_model=list[Event], tags=["events"])
+    _gone: dict[int | str, dict[str, Any]] = {
+        410: _error("CursorExpired: the cursor is older than the node's event retention")
+    }
+
+    @r.get("/events", response_model=list[Event], responses=_gone, tags=["events"])
     async def events(
         sandbox_id: str | None = None,
         after: str | None = _after,
@@ -668,7 +674,7 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         )
         return _json(found)
 
-    @r.get(sb + "/events", response_model=list[Event], tags=["events"])
+    @r.get(sb + "/events", response_model=list[Event], responses=_gone, tags=["events"])
     async def sandbox_events(
         sandbox_id: str,
         after: str | None = _after,

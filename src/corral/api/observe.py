@@ -34,7 +34,7 @@ from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import Response, StreamingResponse
 
 from corral.api.server import _Server
-from corral.errors import HostError, InvalidRequest, NotFound
+from corral.errors import CursorExpired, HostError, InvalidRequest, NotFound
 from corral.node.metrics import CONTENT_TYPE
 from corral.node.security import SECURITY_KINDS
 from corral.node.stats import Observer, parse_label_filter
@@ -142,13 +142,19 @@ class LiveFeed:
         states: dict[str, int] = {}
         for info in sandboxes:
             states[info.state] = states.get(info.state, 0) + 1
+        if self._last_event is not None:
+            try:
+                events = await self._ops.events(after=self._last_event, limit=_EVENTS_PER_TICK)
+            except CursorExpired:  # fell behind the retention: start over at the newest
+                self._last_event = None
         if self._last_event is None:
             # a new feed starts with the last 50 events, not the whole log
-            start = self._observer.state.last_event_id() - 50 if self._observer else 0
+            start = 0
+            if self._observer:
+                state = self._observer.state
+                start = max(state.last_event_id() - 50, state.events_trimmed_through())
             cursor = encode_cursor({status.node_id: max(0, start)})
             events = (await self._ops.events(after=cursor, limit=EVENTS_LIMIT_MAX))[-50:]
-        else:
-            events = await self._ops.events(after=self._last_event, limit=_EVENTS_PER_TICK)
         if events:
             self._last_event = events[-1].cursor
         elif self._last_event is None:

@@ -337,12 +337,20 @@ def soak_cmd(
     opts: BenchOptions,
     cycles: Annotated[int, typer.Option("--cycles", min=1, help="Sandbox lives run.")] = 10000,
     concurrency: Concurrency = 8,
+    retention: Annotated[
+        int,
+        typer.Option(
+            "--retention",
+            min=100,
+            help="Destroyed sandboxes' records, events and timings the node keeps.",
+        ),
+    ] = 1000,
 ) -> Scenario:
     """Create, exec, files, shell, pause/resume (every 10th), fork (every 50th), destroy,
     CYCLES times: errors, leaks after, node RSS and SQLite growth, create p99 drift."""
     from corral.bench.soak import soak
 
-    return soak(opts, cycles, concurrency)
+    return soak(opts, cycles, concurrency, retention)
 
 
 @scenario(app, "crash")

@@ -20,7 +20,8 @@ agent's process, as ``corral node serve`` does).
 Each attack runs in a fresh best-effort sandbox of its own with bounded limits for
 ``seconds`` and is destroyed after it (``destroy_s``: how long that took). The attacks:
 fork bomb, memory bomb (allocate until OOM, again and again), disk fill (``yes > file``),
-output flood (``yes`` as an exec whose output the node must cap), inotify exhaustion, fd
+output flood (``yes`` as an exec whose output the node must cap, asked for by two client
+processes of their own, as a trainer's would be), inotify exhaustion, fd
 exhaustion, and a busy loop on every core. The attack scripts use python3 (inotify and
 fd exhaustion have no shell tool), so the image must have it ('python' builds one).
 
@@ -37,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,9 +131,52 @@ for b_ in bad:
 
 _ATTACKER_LIMITS = {"memory": "256MiB", "pids": 256, "disk": "64MiB"}
 
+_FLOOD_CLIENT = """
+import asyncio, json, sys
+from corral.sdk import AsyncClient
 
-async def _start_attack(sb: Sandbox, name: str, seconds: float) -> list[asyncio.Task[Any]]:
-    """Start attack ``name`` in ``sb``; the tasks returned are execs running through it."""
+async def main(address, sandbox_id, timeout):
+    async with AsyncClient(address) as client:
+        sb = await client.sandboxes.get(sandbox_id)
+        r = await sb.exec(["yes"], timeout=timeout, output_limit="64MiB")
+        print(json.dumps({"truncated": r.truncated, "bytes": len(r.stdout)}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+@dataclass
+class _FloodAnswer:
+    truncated: bool
+    bytes: int
+
+
+async def _flood(address: str, sandbox_id: str, timeout: float) -> _FloodAnswer:
+    """One flooding exec, asked for by a client process of its own: a trainer that
+    reads 64 MiB of output decodes it in its own process, not in the agent's; in this
+    process its decoding (~0.2 s a flood, on the event loop the node serves from) would
+    be counted as the node's latency."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _FLOOD_CLIENT,
+        address,
+        sandbox_id,
+        str(timeout),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"flood client exited {proc.returncode}: {err.decode()[-300:]}")
+    return _FloodAnswer(**json.loads(out.decode().strip().splitlines()[-1]))
+
+
+async def _start_attack(
+    sb: Sandbox, name: str, seconds: float, address: str
+) -> list[asyncio.Task[Any]]:
+    """Start attack ``name`` in ``sb``; the tasks returned are execs running through it
+    (the flood's, from client processes talking to the node's API at ``address``)."""
     cpus = os.cpu_count() or 1
     if name == "fork_bomb":
         await sb.spawn(["sh", "-c", "f() { f | f & }; f; sleep 3600"])
@@ -144,7 +190,7 @@ async def _start_attack(sb: Sandbox, name: str, seconds: float) -> list[asyncio.
         return [
             # Stopped by the node at its cap; the timeout only bounds a flood that a
             # saturated host (the attacker is best-effort: idle CPU only) never lets finish.
-            asyncio.create_task(sb.exec(["yes"], timeout=seconds + 120, output_limit="64MiB"))
+            asyncio.create_task(_flood(address, sb.id, seconds + 120))
             for _ in range(2)
         ]
     elif name == "inotify":
@@ -167,6 +213,9 @@ class _Window:
 
     exec_s: list[float] = field(default_factory=list)
     api_s: list[float] = field(default_factory=list)
+    lag_s: list[float] = field(default_factory=list)
+    """How late a 5 ms timer of the agent's event loop fired: the loop held up by
+    work in it (or the host's CPUs busy)."""
     errors: list[str] = field(default_factory=list)
 
 
@@ -196,7 +245,13 @@ async def _probe(client: AsyncClient, neighbour: Sandbox, seconds: float) -> _Wi
             w.api_s.append(time.perf_counter() - t0)
             await asyncio.sleep(0.01)  # a client polling, not a second flood
 
-    await asyncio.gather(execs(), api())
+    async def lag() -> None:
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            w.lag_s.append(max(0.0, time.perf_counter() - t0 - 0.005))
+
+    await asyncio.gather(execs(), api(), lag())
     return w
 
 
@@ -258,7 +313,13 @@ async def _bitten(node: Any, attacker: Sandbox, name: str) -> bool:
         return sum(1 for o in outs if o) >= 8  # each printed how far it got
     if name == "cpu_burn":
         return (await _effect(node, attacker)).get("processes", 0) > (os.cpu_count() or 1)
-    return True  # the output flood is on from its first byte
+    if name == "output_flood":
+        # on from its first byte: once an exec of it is in the node (its clients start
+        # in processes of their own), or already over, stopped at its cap
+        if node.table.busy(attacker.id):
+            return True
+        return bool(await node.events(sandbox_id=attacker.id, kinds=["output_limit"]))
+    return True
 
 
 async def _until_bitten(node: Any, attacker: Sandbox, name: str, limit: float = 60) -> bool:
@@ -279,6 +340,7 @@ async def _one_attack(
     name: str,
     seconds: float,
     probes: tuple[Sandbox, Sandbox, str],
+    address: str,
 ) -> tuple[dict[str, Any], _Window]:
     neighbour, bystander, digest = probes
     cpus = os.cpu_count() or 1
@@ -291,7 +353,7 @@ async def _one_attack(
     res: dict[str, Any] = {"name": name}
     execs: list[asyncio.Task[Any]] = []
     try:
-        execs = await _start_attack(attacker, name, seconds)
+        execs = await _start_attack(attacker, name, seconds, address)
         t0 = time.perf_counter()
         res["bit"] = await _until_bitten(node, attacker, name)
         res["ramp_s"] = round(time.perf_counter() - t0, 3)
@@ -369,12 +431,20 @@ async def neighbours(
                     w = await _probe(client, neighbour, seconds / 2)
                     idle.exec_s += w.exec_s
                     idle.api_s += w.api_s
+                    idle.lag_s += w.lag_s
                     idle.errors += w.errors
                     res, w = await _one_attack(
-                        node, client, img, name, seconds, (neighbour, bystander, digest)
+                        node,
+                        client,
+                        img,
+                        name,
+                        seconds,
+                        (neighbour, bystander, digest),
+                        srv.address,
                     )
                     res["neighbour"] = summary_ms(w.exec_s) if w.exec_s else None
                     res["api"] = summary_ms(w.api_s) if w.api_s else None
+                    res["loop_lag"] = summary_ms(w.lag_s) if w.lag_s else None
                     res["errors"] = w.errors[:5]
                     res["error_count"] = len(w.errors)
                     results.append(res)
@@ -395,7 +465,12 @@ async def neighbours(
     out.update(
         {
             "attacks": results,
-            "idle": {"neighbour": idle_exec, "api": idle_api, "errors": idle.errors[:5]},
+            "idle": {
+                "neighbour": idle_exec,
+                "api": idle_api,
+                "loop_lag": summary_ms(idle.lag_s) if idle.lag_s else None,
+                "errors": idle.errors[:5],
+            },
             "neighbour_p99_ratio_max": max(ratios_n, default=None),
             "api_p99_ratio_max": max(ratios_a, default=None),
             "harmed": sum(len(r["harmed"]) for r in results),

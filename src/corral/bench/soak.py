@@ -9,14 +9,17 @@ may reach is a documentation one, never contacted). Cycles run
 ``concurrency`` at a time on an embedded node. The figures compare tenths of the run by
 cycle index: node RSS and SQLite size at the end of the second tenth against the end of
 the last (the first tenth is warm-up: caches, pools, the first layer mount), create p99 of
-the last tenth against the first. After the last cycle the node is closed and the host
+the last tenth against the first. The node keeps ``retention`` destroyed sandboxes' records,
+events and timings (corral.node.retention; a node's defaults keep far more, bounded by
+days): about 400 cycles fill that, so from the second tenth of a long soak on, the
+database's size shows whether pruning keeps it flat (SQLite reusing the freed pages). After the last cycle the node is closed and the host
 scanned (host/leaks.py) plus the node's own view before it closes: cgroups, subvolumes,
 and the networked sandboxes' veths and entries in the node's nft table (the table itself
 goes with the node, so per-sandbox leftovers are only visible before).
 
 Example::
 
-    result = await soak(BenchOptions(image="busybox"), cycles=200, concurrency=8)
+    result = await soak(BenchOptions(image="busybox"), cycles=200, concurrency=8, retention=100)
     assert result["errors"] == 0 and result["leaked_total"] == 0
 """
 
@@ -104,7 +107,9 @@ def _growth(early: int, late: int) -> float:
     return round((late - early) / early, 4) if early else 0.0
 
 
-async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, Any]:
+async def soak(
+    opts: BenchOptions, cycles: int, concurrency: int, retention: int = 1000
+) -> dict[str, Any]:
     """Run ``cycles`` sandbox lives, ``concurrency`` at once, and report what grew."""
     from corral.bench.image import ensure_image
     from corral.images.store import LayerStore
@@ -114,6 +119,7 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
 
     image = await asyncio.to_thread(ensure_image, LayerStore(opts.store_dir), opts.image)
     cfg = opts.node_config(concurrency * 2)
+    cfg.event_retention = cfg.metrics.timing_retention = cfg.destroyed_max = retention
     cfg.network = NetworkConfig(
         subnet=_subnet(opts.subtree),
         upstream=["192.0.2.53"],  # no lookup is made
@@ -234,6 +240,7 @@ async def soak(opts: BenchOptions, cycles: int, concurrency: int) -> dict[str, A
         "scenario": "soak",
         "cycles": cycles,
         "concurrency": concurrency,
+        "retention": retention,
         "errors": len(errors),
         "leaks": by_kind,
         "leaked_total": sum(by_kind.values()),

@@ -28,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from corral.cli._context import EMBEDDED, Globals, human_bytes, out, parse_pairs
-from corral.errors import InvalidRequest, NotFound
+from corral.errors import CursorExpired, InvalidRequest, NotFound
 from corral.sdk._stats import fetch_stats
 from corral.spec import Event, NodeStatus, SandboxInfo, Stats
 
@@ -148,6 +148,15 @@ async def _stats(ops: Any, labels: dict[str, str], since: float) -> Stats:
         return Stats(labels=labels, since=since)
 
 
+async def _security_events(ops: Any, labels: dict[str, str], after: str | None) -> list[Event]:
+    """Security events after ``after``; a cursor the node's retention passed (no such
+    event for that long) starts again at the oldest kept."""
+    try:
+        return await ops.events(after=after, labels=labels or None, kinds=list(_SECURITY))
+    except CursorExpired:
+        return await ops.events(after=None, labels=labels or None, kinds=list(_SECURITY))
+
+
 async def _frame(
     ops: Any, labels: dict[str, str], events: deque[Event], since: list[str | None]
 ) -> _Frame:
@@ -157,7 +166,7 @@ async def _frame(
         ops.sandbox_list(labels=labels or None),
         _stats(ops, labels, now - _RATE_WINDOW),
         _stats(ops, labels, now - _PCT_WINDOW),
-        ops.events(after=since[0], labels=labels or None, kinds=list(_SECURITY)),
+        _security_events(ops, labels, since[0]),
     )
     if new:
         since[0] = new[-1].cursor

@@ -22,7 +22,7 @@ from corral.cli._context import (
     parse_pairs,
     validation_text,
 )
-from corral.errors import CorralError, InvalidRequest
+from corral.errors import CorralError, CursorExpired, InvalidRequest
 from corral.spec import Limits, PtyRequest
 
 if TYPE_CHECKING:
@@ -445,13 +445,21 @@ def events(
         cursor = after
         async with g.client() as client:
             while True:
-                evs = await client.events(
-                    sandbox_id=sandbox_id,
-                    after=cursor,
-                    labels=labels or None,
-                    kinds=kind,
-                    limit=_EVENTS_PAGE,
-                )
+                try:
+                    evs = await client.events(
+                        sandbox_id=sandbox_id,
+                        after=cursor,
+                        labels=labels or None,
+                        kinds=kind,
+                        limit=_EVENTS_PAGE,
+                    )
+                except CursorExpired as e:
+                    if not follow or cursor is None:
+                        raise
+                    # fell behind the node's retention: say so, go on from the oldest kept
+                    err().print(f"[yellow]events were missed:[/] {escape(e.message)}")
+                    cursor = None
+                    continue
                 show(evs)
                 if evs:
                     cursor = evs[-1].cursor

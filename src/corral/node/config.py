@@ -69,8 +69,18 @@ class NodeConfig(BaseModel):
     """This node's labels (e.g. ``pool = "onprem"``), reported in its status for placement."""
     max_sandboxes: int = Field(4096, ge=1)
     reaper_interval: float = Field(1.0, gt=0)
-    event_retention: int = Field(1_000_000, ge=1000)
-    """How many of the newest events the node keeps; older ones are trimmed by the reaper."""
+    event_retention: int = Field(1_000_000, ge=100)
+    """How many of the newest events the node keeps; older ones are trimmed by the reaper
+    (corral.node.retention). An ``events`` cursor older than the oldest kept event gets
+    ``CursorExpired`` (HTTP 410)."""
+    event_max_age: float = Field(30 * 86400.0, gt=0)
+    """Seconds an event is kept at most (default 30 days), whatever their number."""
+    destroyed_retention: float = Field(86400.0, ge=0)
+    """Seconds a destroyed sandbox's record is kept after its destroy (default a day): it
+    answers "sandbox X is destroyed" instead of "no sandbox X", keeps its labels for event
+    filters and its timeline readable."""
+    destroyed_max: int = Field(20_000, ge=0)
+    """Most destroyed sandboxes' records kept, the oldest dropped first (~1.5 KiB each)."""
     api_socket: Path | None = None
     """Unix socket of ``corral node serve``; default ``run_dir/api.sock``."""
     cgroup_subtree: str = Field("corral", pattern=r"^corral[a-z0-9-]*$")

@@ -114,7 +114,7 @@ class MetricsConfig(BaseModel):
     listen: str | None = Field(None, pattern=r"^(\[[0-9a-fA-F:]+\]|[0-9A-Za-z.-]+):[0-9]{1,5}$")
     """``host:port`` of a separate, token-free listener serving only ``GET /metrics``
     (None: metrics only on the API's own listeners)."""
-    timing_retention: int = Field(200_000, ge=1000)
+    timing_retention: int = Field(200_000, ge=100)
     """How many of the newest per-sandbox timing rows the state store keeps (for
     ``stats`` and the timeline)."""
 

@@ -57,6 +57,7 @@ from corral.node.pause import Pauser
 from corral.node.ports import connect_port
 from corral.node.pty import NodePty
 from corral.node.reaper import Reaper
+from corral.node.retention import Pruner, Retention
 from corral.node.snapshot import Snapshots
 from corral.node.stats import Observer
 from corral.node.watch import WatchHub
@@ -151,7 +152,7 @@ class Node:
             self.security,
             self.pauser,
             config.reaper_interval,
-            config.event_retention,
+            Pruner(self.state, Retention.of(config)),
             self.observer,
         )
         self.fncall = FnCallService(self, config.fncall)

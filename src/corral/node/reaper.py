@@ -1,8 +1,9 @@
 """The node's periodic pass: TTLs, idle timeouts and idle pauses, dead sandboxes.
 
 Once per ``reaper_interval`` it writes the activity stamps gathered since the last pass,
-trims the event log, flushes coalesced security events, then looks at the sandboxes that
-need it: past its TTL -> destroyed (a paused one too), or paused for a ``ttl_action``
+prunes the state database to its retention (events, destroyed sandboxes: see
+corral.node.retention), flushes coalesced security events, then looks at the sandboxes
+that need it: past its TTL -> destroyed (a paused one too), or paused for a ``ttl_action``
 of ``pause`` (then its TTL is cleared); idle past ``idle_pause`` -> paused
 in the background; idle past ``idle_timeout`` -> destroyed (a paused one is spared: pausing
 is how an idle sandbox is kept); an agent that died -> ``died`` event and destroyed. A
@@ -23,6 +24,7 @@ import time
 from corral.node.deadlines import SAMPLE, Deadlines, DeathWatch, next_deadline
 from corral.node.lifecycle import Lifecycle
 from corral.node.pause import Pauser
+from corral.node.retention import Pruner
 from corral.node.security import NodeSecurity
 from corral.node.state import StateStore
 from corral.node.stats import Observer
@@ -43,7 +45,7 @@ class Reaper:
         security: NodeSecurity,
         pauser: Pauser,
         interval: float,
-        event_retention: int,
+        pruner: Pruner,
         observer: Observer,
     ) -> None:
         self.observer = observer
@@ -53,7 +55,7 @@ class Reaper:
         self.security = security
         self.pauser = pauser
         self.interval = interval
-        self.event_retention = event_retention
+        self.pruner = pruner
         self._task: asyncio.Task[None] | None = None
         self.deadlines = Deadlines()
         self.deaths = DeathWatch()
@@ -92,7 +94,7 @@ class Reaper:
 
     async def once(self) -> None:
         self.table.flush_touches()
-        self.state.trim_events(self.event_retention)
+        await self.pruner.run()  # bounded steps (corral.node.retention)
         self.observer.flush(trim=True)
         self.security.flush()
         now = time.time()

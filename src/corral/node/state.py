@@ -48,7 +48,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     idle_timeout REAL,
     last_active_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- (state, last_active_at): live lookups by state, and retention's oldest destroyed first;
+-- it replaces the earlier index on state alone (one index to update per write, not two)
+CREATE INDEX IF NOT EXISTS sandboxes_gone ON sandboxes(state, last_active_at);
+DROP INDEX IF EXISTS sandboxes_state;
 CREATE TABLE IF NOT EXISTS shells (
     id TEXT PRIMARY KEY,
     sandbox_id TEXT NOT NULL,
@@ -199,8 +202,12 @@ class StateStore:
         return [SandboxInfo.model_validate_json(r[0]) for r in self._db.execute(q, _LIVE)]
 
     def mark_destroyed(self, sandbox_id: str) -> None:
-        """Keep the row (labels stay queryable for events), drop what only a live one needs."""
-        self._db.execute("UPDATE sandboxes SET state='destroyed' WHERE id=?", (sandbox_id,))
+        """Keep the row (labels stay queryable for events), drop what only a live one needs.
+        Its ``last_active_at`` becomes the destroy time, which :meth:`prune` ages it by."""
+        self._db.execute(
+            "UPDATE sandboxes SET state='destroyed', last_active_at=? WHERE id=?",
+            (time.time(), sandbox_id),
+        )
         self._db.execute("DELETE FROM shells WHERE sandbox_id=?", (sandbox_id,))
 
     def touch_many(self, stamps: dict[str, float]) -> None:
@@ -243,6 +250,68 @@ class StateStore:
         """Drop all but the newest ``keep`` events; returns how many were dropped."""
         cur = self._db.execute("DELETE FROM events WHERE id <= ?", (self.last_event_id() - keep,))
         return cur.rowcount
+
+    def events_trimmed_through(self) -> int:
+        """Id of the newest event no longer kept (0 if none was trimmed): a cursor before
+        it has missed events. Ids only grow (AUTOINCREMENT) and only trimming removes rows,
+        so it is the oldest kept id minus one, or the last id given when none is kept."""
+        row = self._db.execute("SELECT MIN(id) FROM events").fetchone()
+        if row[0] is not None:
+            return int(row[0]) - 1
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name='events'").fetchone()
+        return int(row[0]) if row else 0
+
+    def prune(
+        self,
+        now: float,
+        *,
+        events_max: int,
+        events_for: float,
+        destroyed_max: int,
+        destroyed_for: float,
+        batch: int = 500,
+    ) -> int:
+        """One bounded step of the retention: delete at most ``batch`` events beyond the
+        newest ``events_max`` or older than ``events_for`` seconds, and at most ``batch``
+        records of sandboxes destroyed over ``destroyed_for`` seconds ago or beyond the
+        newest ``destroyed_max`` destroyed ones; returns how many rows went.
+
+        Why bounded: each statement holds the database's write lock, and creates wait on
+        it; the caller repeats while a step returns ``batch`` or more, with other work in
+        between. Why no VACUUM: the freed pages go on SQLite's freelist and later rows
+        reuse them, so the file stops growing once the bounds are reached. Live sandboxes'
+        records are never touched; their events and timings are bounded like any other.
+        """
+        if self._closed:
+            return 0
+        gone = 0
+        # two queries: SQLite answers a lone MIN or MAX from the key, both at once by a scan
+        lo = self._db.execute("SELECT MIN(id) FROM events").fetchone()[0]
+        hi = self._db.execute("SELECT MAX(id) FROM events").fetchone()[0]
+        if lo is not None:
+            # ids grow with time: both bounds cut a prefix; look at the oldest batch only
+            cur = self._db.execute(
+                "DELETE FROM events WHERE id < ? AND (id <= ? OR time < ?)",
+                (lo + batch, hi - events_max, now - events_for),
+            )
+            gone += cur.rowcount
+        # both counts from the index sandboxes_gone (state, last_active_at)
+        total = self._db.execute(
+            "SELECT COUNT(*) FROM sandboxes WHERE state='destroyed'"
+        ).fetchone()[0]
+        old = self._db.execute(
+            "SELECT COUNT(*) FROM sandboxes WHERE state='destroyed' AND last_active_at < ?",
+            (now - destroyed_for,),
+        ).fetchone()[0]
+        doomed = min(batch, max(int(total) - destroyed_max, int(old)))
+        if doomed > 0:  # the oldest destroyed first (index sandboxes_gone)
+            cur = self._db.execute(
+                "DELETE FROM sandboxes WHERE rowid IN (SELECT rowid FROM sandboxes "
+                "WHERE state='destroyed' ORDER BY last_active_at LIMIT ?)",
+                (doomed,),
+            )
+            gone += cur.rowcount
+        return gone
 
     def last_event_id(self) -> int:
         """Id of the newest event (0 if none): a mark for "events from now on"."""
