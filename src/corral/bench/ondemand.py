@@ -201,6 +201,10 @@ def copy_store(src: LayerStore, dst: Path) -> LayerStore:
         local.add_file(src.path_of(li.digest), kind=li.kind, source=li.source)
     for img in src.images():
         local.put_image(img.name, img.layers, env=img.env, workdir=img.workdir)
+    for li in src.layers():  # the same software on both: the hot-block profiles too
+        profile = src.hot_profile(li.digest)
+        if profile is not None:
+            local.save_hot_profile(li.digest, profile)
     os.sync()
     stamp_all(local)
     return local
@@ -238,6 +242,7 @@ async def run_burst(
     task: list[str],
     link: dfs.MooseStore | None,
     drop: list[Path],
+    prefetch: bool = True,
 ) -> Figures:
     """Open a fresh node, create ``sandboxes`` sandboxes of ``images`` (round-robin) and
     run ``task`` in each as soon as it is up; the figures, then everything removed."""
@@ -245,7 +250,9 @@ async def run_burst(
         drop_cache(p)
     if link is not None:
         link.drop_server_cache()
-    cfg = opts.node_config(sandboxes).model_copy(update={"eager_layers": eager})
+    cfg = opts.node_config(sandboxes).model_copy(
+        update={"eager_layers": eager, "layer_prefetch": prefetch}
+    )
     sbs: list[Sandbox] = []
     try:
         async with AsyncClient(config=cfg) as client:
@@ -294,6 +301,7 @@ async def ondemand(
     readahead_kib: int | None = None,
     *,
     delay_ms: float = 0.0,
+    prefetch: bool = True,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
@@ -308,11 +316,23 @@ async def ondemand(
             await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
         say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
         names = await asyncio.to_thread(publish_images, store, base.layers, images, image_mib, gen)
+        task = ["python3", "-c", TASK]
+        layer_files = [store.path_of(li.digest) for li in store.layers()]
+        if prefetch:
+            say("recording hot-block profiles: one sandbox per image on a node of its own")
+            await run_burst(
+                _mode_opts(opts, "profile", store.root),
+                eager=False,
+                images=names,
+                sandboxes=len(names),
+                concurrency=concurrency,
+                task=task,
+                link=fs,
+                drop=layer_files,
+            )
         cached_dir = gen / "cached-store"
         cached = await asyncio.to_thread(copy_store, store, cached_dir)
-        layer_files = [store.path_of(li.digest) for li in store.layers()]
         cached_files = [cached.path_of(li.digest) for li in cached.layers()]
-        task = ["python3", "-c", TASK]
         out: dict[str, Any] = {
             "scenario": "ondemand",
             "sandboxes": sandboxes,
@@ -324,6 +344,7 @@ async def ondemand(
             "link_mbit": link_mbit,
             "link_delay_ms": delay_ms,
             "store_readahead_kib": readahead_kib,
+            "layer_prefetch": prefetch,
             "concurrency": concurrency,
             "machine": machine(),
             "modes": {},
@@ -344,6 +365,7 @@ async def ondemand(
                 task=task,
                 link=fs,
                 drop=drop,
+                prefetch=prefetch,
             )
             out["modes"][mode] = fig.as_dict()
         m = out["modes"]
