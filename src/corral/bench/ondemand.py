@@ -318,6 +318,7 @@ async def ondemand(
         names = await asyncio.to_thread(publish_images, store, base.layers, images, image_mib, gen)
         task = ["python3", "-c", TASK]
         layer_files = [store.path_of(li.digest) for li in store.layers()]
+        profiled = 0
         if prefetch:
             say("recording hot-block profiles: one sandbox per image on a node of its own")
             await run_burst(
@@ -330,6 +331,9 @@ async def ondemand(
                 link=fs,
                 drop=layer_files,
             )
+            digests = [li.digest for li in store.layers()]
+            profiled = sum(store.hot_profile(d) is not None for d in digests)
+            say(f"hot-block profiles: {profiled} of {len(digests)} layers")
         cached_dir = gen / "cached-store"
         cached = await asyncio.to_thread(copy_store, store, cached_dir)
         cached_files = [cached.path_of(li.digest) for li in cached.layers()]
@@ -345,6 +349,7 @@ async def ondemand(
             "link_delay_ms": delay_ms,
             "store_readahead_kib": readahead_kib,
             "layer_prefetch": prefetch,
+            "profiled_layers": profiled if prefetch else 0,
             "concurrency": concurrency,
             "machine": machine(),
             "modes": {},
