@@ -8,6 +8,12 @@ shared) + toolkit (a package of modules and data files nobody reads) + workspace
 of files of which the task reads one in ten); each layer verified once, as a publisher
 would (store.py stamps), and then dropped from the page cache.
 
+Hot-block profiles (images/hotblocks.py; on by default, ``--no-layer-prefetch`` for the
+A/B): also in set-up, one sandbox per image runs the task on a node of its own, and that
+node leaves on the store what of each layer its sandboxes read, as the first node to run
+an image does in a cluster; the cached store gets the same profiles (the same software on
+local disk). Every mode's node is still cold: fresh state dir, page cache evicted.
+
 Each mode opens a fresh node (its own state dir), and ``--sandboxes`` sandboxes,
 spread round-robin over the images, are created ``--concurrency`` at a time; each runs
 the task as soon as it is up: imports five modules of its toolkit, reads its sample of
