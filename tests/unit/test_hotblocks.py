@@ -27,9 +27,12 @@ class FakeStore:
     def hot_profile(self, digest: str) -> bytes | None:
         return self.profiles.get(digest)
 
-    def save_hot_profile(self, digest: str, data: bytes) -> None:
+    def save_hot_profile(self, digest: str, data: bytes, *, replace: bool = False) -> None:
         self.saves += 1
-        self.profiles.setdefault(digest, data)
+        if replace:
+            self.profiles[digest] = data
+        else:
+            self.profiles.setdefault(digest, data)
 
 
 def _cold_file(path: Path, pages: int) -> Path:
@@ -92,19 +95,37 @@ def test_record_writes_once_what_was_read(cold: Path) -> None:
     assert decode(store.profiles["sha256:a"], 64 * PAGE) == [(8 * PAGE, 4 * PAGE)]
 
 
-def test_record_skips_a_mostly_cached_file_and_an_existing_profile(cold: Path) -> None:
+def test_record_skips_a_mostly_cached_file(cold: Path) -> None:
     store = FakeStore()
     hot = HotBlocks(store)
     _read(cold, 0, 40 * PAGE)  # over MAX_FRACTION: a hash or a copy, not a task's reads
     hot.record("sha256:full", cold)
-    store.profiles["sha256:other"] = encode(64 * PAGE, [(0, PAGE)])
-    hot.record("sha256:other", cold)
     assert hot.drain(30)
-    assert "sha256:full" not in store.profiles
     assert store.saves == 0
 
 
-def test_prefetch_reads_the_profile_and_a_found_profile_is_not_recorded(cold: Path) -> None:
+def test_a_profile_grows_only_by_reads_it_lacked(cold: Path) -> None:
+    store = FakeStore()
+    profile = [(0, 20 * PAGE)]
+    store.profiles["sha256:same"] = store.profiles["sha256:more"] = encode(64 * PAGE, profile)
+    _read(cold, 0, 20 * PAGE)
+    _read(cold, 30 * PAGE, PAGE)  # 1 page more than 20: not worth a write
+    hot = HotBlocks(store)
+    hot.record("sha256:same", cold)
+    assert hot.drain(30)
+    assert store.saves == 0
+    _read(cold, 40 * PAGE, 4 * PAGE)  # 5 more: the profile becomes the union
+    hot.record("sha256:more", cold)
+    assert hot.drain(30)
+    assert store.saves == 1
+    assert decode(store.profiles["sha256:more"], 64 * PAGE) == [
+        (0, 20 * PAGE),
+        (30 * PAGE, PAGE),
+        (40 * PAGE, 4 * PAGE),
+    ]
+
+
+def test_prefetch_reads_the_profile_and_then_nothing_new_is_recorded(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(2 * PAGE, 3 * PAGE), (50 * PAGE, PAGE)])
     hot = HotBlocks(store)
@@ -136,6 +157,8 @@ def test_store_keeps_the_first_profile_and_removes_it_with_the_layer(tmp_path: P
     store.save_hot_profile(li.digest, b"first")
     store.save_hot_profile(li.digest, b"second")
     assert store.hot_profile(li.digest) == b"first"
+    store.save_hot_profile(li.digest, b"union", replace=True)
+    assert store.hot_profile(li.digest) == b"union"
     hot_file = store.path_of(li.digest).with_suffix(".hot")
     assert hot_file.exists()
     store.remove_layer(li.digest)

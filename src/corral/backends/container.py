@@ -332,9 +332,11 @@ class ContainerBackend:
                     except asyncio.CancelledError:
                         await asyncio.wait([job])
                         if not job.cancelled() and job.exception() is None:
-                            undo.append(functools.partial(self.layers.release, digest))
+                            undo.append(
+                                functools.partial(self.layers.release, digest, record=False)
+                            )
                         raise
-                undo.append(functools.partial(self.layers.release, digest))
+                undo.append(functools.partial(self.layers.release, digest, record=False))
 
         with phases.phase("rootfs"):
             sub = d

@@ -18,10 +18,12 @@ do: what a task reads at start is much the same from one run to the next.
 
 What a profile is: the byte extents of the layer file that were in this node's page cache
 when the first sandbox using the layer was destroyed (``mincore`` over a read-only shared
-mapping of the file: file-backed EROFS reads through the layer file's page cache). It is
-written once (the first node to record wins; an existing one is never replaced) and only
-if under :data:`MAX_FRACTION` of the file is cached: a layer hashed on its first mount,
-or copied to local disk, is fully cached, and prefetching all of it would be an eager
+mapping of the file: file-backed EROFS reads through the layer file's page cache). Each
+node records once per layer: it writes a profile if the layer has none, and rewrites it
+as the union if its sandboxes read :data:`GROW` more than the profile holds (so a
+profile taken from a sandbox that did nothing does not stay). Never when the result
+would cover over :data:`MAX_FRACTION` of the file: a layer hashed on its first mount, or
+copied to local disk, is fully cached, and prefetching all of it would be an eager
 pull. A profile is only a hint: the bytes still come from the layer file, which EROFS
 reads as before; a bad or stale profile (a size that does not match the file) is
 ignored. ``corral image gc`` removes it with its layer; delete it to record a new one.
@@ -79,6 +81,11 @@ READ_CHUNK = 256 << 10
 task in 0.21 s, 1 MiB ones in 0.29-0.39 s (fewer, longer reads in flight)."""
 WORKERS = 16
 """Prefetch reads in flight per node."""
+GROW = 0.1
+"""A node whose sandboxes read this much more of a layer than its profile says (a
+fraction of the profile's pages) rewrites the profile as the union: a profile recorded
+from a sandbox that did little (destroyed right after its create) does not stay the
+layer's profile for good."""
 _VERSION = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -104,7 +111,7 @@ class Store(Protocol):
 
     def hot_profile(self, digest: str) -> bytes | None: ...
 
-    def save_hot_profile(self, digest: str, data: bytes) -> None: ...
+    def save_hot_profile(self, digest: str, data: bytes, *, replace: bool = False) -> None: ...
 
 
 def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
@@ -168,6 +175,20 @@ def decode(data: bytes, size: int) -> list[tuple[int, int]] | None:
         return out
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def _pages(extents: list[tuple[int, int]]) -> set[int]:
+    return {p for off, n in extents for p in range(off // PAGE, (off + n + PAGE - 1) // PAGE)}
+
+
+def _extents(pages: set[int], size: int) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for p in sorted(pages):
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1][1] += 1
+        else:
+            out.append([p, 1])
+    return [(p * PAGE, min(n * PAGE, size - p * PAGE)) for p, n in out if p * PAGE < size]
 
 
 def chunks(extents: list[tuple[int, int]], most: int = READ_CHUNK) -> list[tuple[int, int]]:
@@ -258,8 +279,8 @@ class HotBlocks:
         self._plan = _Pool(2)  # reads profiles and records: a store round trip or a few
         self._reads = _Pool(workers)
         self._lock = threading.Lock()
-        self._known: set[str] = set()
-        """Layers this node found a profile for, or recorded one of: nothing to record."""
+        self._recorded: set[str] = set()
+        """Layers this node has recorded (or tried to): one record per layer per node."""
 
     def prefetch(self, digest: str, path: Path) -> None:
         """Start reading the recorded hot blocks of layer ``digest`` (file ``path``);
@@ -274,8 +295,6 @@ class HotBlocks:
         if extents is None:
             log.warning("ignoring the hot-block profile of %s: not one for %s", digest, path)
             return
-        with self._lock:
-            self._known.add(digest)
         reads = chunks(extents)
         if not reads:
             return
@@ -284,22 +303,30 @@ class HotBlocks:
             self._reads.submit(functools.partial(f.read, off, length))
 
     def record(self, digest: str, path: Path) -> None:
-        """Record what of ``path`` is cached as the profile of ``digest``, unless this node
-        found or wrote one already; in the background (destroys never wait on the store)."""
+        """Record what of ``path`` is cached as (or into) the profile of ``digest``, once
+        per layer on this node; in the background (destroys never wait on the store)."""
         with self._lock:
-            if digest in self._known:
+            if digest in self._recorded:
                 return
-            self._known.add(digest)
+            self._recorded.add(digest)
         self._plan.submit(lambda: self._record(digest, path))
 
     def _record(self, digest: str, path: Path) -> None:
         size, extents = resident(path)
-        cached = sum(n for _, n in extents)
-        if not extents or len(extents) > MAX_EXTENTS or cached > MAX_FRACTION * size:
+        if not extents or len(extents) > MAX_EXTENTS:
             return
-        if self._store.hot_profile(digest) is not None:
-            return
-        self._store.save_hot_profile(digest, encode(size, extents))
+        cached = _pages(extents)
+        raw = self._store.hot_profile(digest)
+        old = decode(raw, size) if raw is not None else None
+        known = _pages(old) if old else set()
+        union = cached | known
+        if len(union) * PAGE > MAX_FRACTION * size:
+            return  # hashed or copied here (or profiles grown past a hint): keep the old
+        if raw is not None and len(union) - len(known) <= GROW * len(known):
+            return  # nothing much new (a node that prefetched holds the profile itself)
+        self._store.save_hot_profile(
+            digest, encode(size, _extents(union, size)), replace=raw is not None
+        )
 
     def drain(self, timeout: float) -> bool:
         """Wait for pending profile reads, prefetches and records (node shutdown, benches);

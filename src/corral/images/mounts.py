@@ -132,8 +132,10 @@ class LayerMounts:
                 self._unmount(raw, idm)
                 raise
 
-    def release(self, digest: str) -> None:
-        """Drop a reference; the last one unmounts the layer.
+    def release(self, digest: str, *, record: bool = True) -> None:
+        """Drop a reference; the last one unmounts the layer. ``record``: the sandbox
+        ran, so what it read counts for the layer's hot-block profile (not after a
+        failed create).
 
         Overlays already built on the layer keep working: overlayfs holds its own
         reference to each lower.
@@ -145,7 +147,7 @@ class LayerMounts:
                 if n <= 0:
                     raise HostError(f"layer {digest} released more often than acquired")
                 image = self._files.get(digest)
-            if self._hot is not None and image is not None:
+            if self._hot is not None and image is not None and record:
                 self._hot.record(digest, image)  # a no-op once the layer has a profile
                 if n > 1:
                     self._counts[digest] = n - 1

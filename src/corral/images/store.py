@@ -411,9 +411,9 @@ class LayerStore:
 
         return self._io.call(f"reading the hot-block profile of {digest}", read)
 
-    def save_hot_profile(self, digest: str, data: bytes) -> None:
-        """Store the layer's hot-block profile, unless one is there already (the first
-        writer wins, as with layers)."""
+    def save_hot_profile(self, digest: str, data: bytes, *, replace: bool = False) -> None:
+        """Store the layer's hot-block profile; unless ``replace``, only if it has none
+        (the first writer wins, as with layers)."""
         dest = self._layer_paths(digest)[0].with_suffix(".hot")
 
         def write() -> None:
@@ -422,7 +422,11 @@ class LayerStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            self._place(tmp, dest)
+            if replace:
+                os.replace(tmp, dest)
+                _fsync_dir(dest.parent)
+            else:
+                self._place(tmp, dest)
 
         self._io.call(f"writing the hot-block profile of {digest}", write)
 
