@@ -58,6 +58,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from corral.errors import CorralError
+
 __all__ = [
     "HotBlocks",
     "resident",
@@ -228,7 +230,11 @@ class _Pool:
             job = self._jobs.get()
             try:
                 job()
-            except Exception:  # best effort: a hint that failed is only a slower start
+            except (OSError, CorralError) as e:
+                # A read-only or unreachable store, a layer removed meanwhile: a hint that
+                # failed is only a slower start.
+                log.debug("hot blocks: %s", e)
+            except Exception:
                 log.warning("hot-block job failed", exc_info=True)
             finally:
                 with self._lock:
