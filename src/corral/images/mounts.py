@@ -147,11 +147,12 @@ class LayerMounts:
                 if n <= 0:
                     raise HostError(f"layer {digest} released more often than acquired")
                 image = self._files.get(digest)
-            if self._hot is not None and image is not None and record:
-                self._hot.record(digest, image)  # a no-op once the layer has a profile
                 if n > 1:
                     self._counts[digest] = n - 1
-                    return
+            if self._hot is not None and image is not None and record:
+                self._hot.record(digest, image)  # once per layer on this node
+            if n > 1:
+                return
             self._unmount(raw, idm)
             with self._lock:
                 del self._counts[digest]
