@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,19 @@ def test_gc_removes_the_profile_with_its_layer(tmp_path: Path) -> None:
     orphan.write_bytes(b"p")
     store.gc(grace=0)
     assert not orphan.exists()
+
+
+def test_pool_threads_end_when_idle_and_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hotblocks, "_IDLE_S", 0.01)
+    pool = hotblocks._Pool(4)
+    done: list[int] = []
+    for i in range(8):
+        pool.submit(lambda i=i: done.append(i))
+    assert pool.drain(30)
+    assert sorted(done) == list(range(8))
+    deadline = time.monotonic() + 30
+    while pool._started:  # readiness: every idle thread has ended
+        assert time.monotonic() < deadline, "idle pool threads did not end"
+        time.sleep(0.01)
+    pool.submit(lambda: done.append(8))
+    assert pool.drain(30) and done[-1] == 8

@@ -89,6 +89,7 @@ fraction of the profile's pages) rewrites the profile as the union: a profile re
 from a sandbox that did little (destroyed right after its create) does not stay the
 layer's profile for good."""
 _VERSION = 1
+_IDLE_S = 10.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -206,8 +207,10 @@ def chunks(extents: list[tuple[int, int]], most: int = READ_CHUNK) -> list[tuple
 
 
 class _Pool:
-    """A few daemon threads taking jobs from a queue. Not ThreadPoolExecutor: its threads
-    are joined at interpreter exit, and a read stuck on a dead store would hang the exit."""
+    """A few daemon threads taking jobs from a queue; a thread idle for :data:`_IDLE_S`
+    ends (a process that opens many nodes keeps no idle threads of the closed ones). Not
+    ThreadPoolExecutor: its threads are joined at interpreter exit, and a read stuck on a
+    dead store would hang the exit."""
 
     def __init__(self, workers: int) -> None:
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -223,11 +226,18 @@ class _Pool:
             if self._started < self._workers:
                 self._started += 1
                 threading.Thread(target=self._run, name="corral-hotblocks", daemon=True).start()
-        self._jobs.put(job)
+            self._jobs.put(job)  # under the lock: an idle thread ends only on an empty queue
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._started -= 1
+                        return
+                continue
             try:
                 job()
             except (OSError, CorralError) as e:
