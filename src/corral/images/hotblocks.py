@@ -80,7 +80,9 @@ MAX_EXTENTS = 1 << 16
 """Extents a profile may hold (a 1 MiB file at most; a longer one is refused on load)."""
 READ_CHUNK = 256 << 10
 """Bytes per prefetch read. Measured with 16 reads in flight: 256 KiB reads finished the
-task in 0.21 s, 1 MiB ones in 0.29-0.39 s (fewer, longer reads in flight)."""
+task in 0.21 s, 1 MiB ones in 0.29-0.39 s (fewer, longer reads in flight). At load ~10,
+three interleaved runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB
+0.40-0.72, 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41)."""
 WORKERS = 16
 """Prefetch reads in flight per node."""
 GROW = 0.1
@@ -290,8 +292,9 @@ class HotBlocks:
     """Prefetch of recorded hot blocks at a layer's mount, and their recording (see the
     module docstring). Thread-safe."""
 
-    def __init__(self, store: Store, *, workers: int = WORKERS) -> None:
+    def __init__(self, store: Store, *, workers: int = WORKERS, chunk: int = READ_CHUNK) -> None:
         self._store = store
+        self._chunk = chunk
         self._plan = _Pool(2)  # reads profiles and records: a store round trip or a few
         self._reads = _Pool(workers)
         self._lock = threading.Lock()
@@ -311,7 +314,7 @@ class HotBlocks:
         if extents is None:
             log.warning("ignoring the hot-block profile of %s: not one for %s", digest, path)
             return
-        reads = chunks(extents)
+        reads = chunks(extents, self._chunk)
         if not reads:
             return
         f = _File(path, len(reads))
