@@ -453,6 +453,44 @@ def test_cgroups_pids_limit(cgroups: Cgroups) -> None:
 # -- layer mounts ---------------------------------------------------------------------
 
 
+def test_layer_mounts_with_hot_blocks_count_like_without(root: Path) -> None:
+    """Hot blocks only watch: refcounts, unmounts and a failed create's release
+    (``record=False``) behave as without them; the first release records once."""
+    from corral.images.hotblocks import HotBlocks
+
+    digest = "sha256:" + "e" * 64
+    image = make_layer(root, "e", {"etc/e": "e"})
+    saved: list[str] = []
+
+    class Store:
+        def hot_profile(self, d: str) -> bytes | None:
+            return None
+
+        def save_hot_profile(self, d: str, data: bytes, *, replace: bool = False) -> None:
+            saved.append(d)
+
+    hot = HotBlocks(Store())
+    recorded: list[str] = []
+    real_record = hot.record
+    hot.record = lambda d, p: (recorded.append(d), real_record(d, p))  # type: ignore[method-assign]
+    lm = LayerMounts(root / "hot", lambda d: image, lambda d: None, None, hot=hot)
+    try:
+        p = lm.acquire(digest)
+        lm.acquire(digest)
+        lm.acquire(digest)
+        lm.release(digest, record=False)
+        assert recorded == [] and lm.mounted() == {digest: 2}
+        lm.release(digest)
+        assert recorded == [digest] and lm.mounted() == {digest: 1}
+        assert mounts.is_mountpoint(p)
+        lm.release(digest)
+        assert lm.mounted() == {} and not mounts.is_mountpoint(p)
+        assert hot.drain(30)
+    finally:
+        for m in mounts.mounts_under(root):
+            mounts.umount(m)
+
+
 def test_layer_mounts_refcount_and_adopt(root: Path, userns: UserNamespace) -> None:
     imgs = {
         "sha256:" + "a" * 64: make_layer(root, "a", {"etc/a": "a"}),

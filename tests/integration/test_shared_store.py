@@ -24,7 +24,7 @@ import pytest
 from corral.bench import dfs
 from corral.errors import LayerCorrupt, StoreUnavailable
 from corral.host import pagecache
-from corral.images import build
+from corral.images import build, hotblocks
 from corral.images.leases import Leases
 from corral.images.store import LayerStore
 from corral.node import Node
@@ -168,6 +168,69 @@ async def test_a_corrupted_layer_is_refused_by_digest(nodes, moose) -> None:  # 
         await a.sandbox_create(SandboxSpec(image="dfs/bad"))
     assert Leases.holders_of(store.root, bad.digest) == []  # the failed mount let go
     store.remove_image("dfs/bad")
+
+
+async def _until(what: str, ok: Any, timeout: float = 60.0) -> None:
+    """Readiness: poll ``ok()`` until true (background work of a node), failing after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        await asyncio.sleep(0.05)
+
+
+def _pages(extents: list[tuple[int, int]]) -> set[int]:
+    page = hotblocks.PAGE
+    return {p for off, n in extents for p in range(off // page, (off + n + page - 1) // page)}
+
+
+async def test_hot_blocks_recorded_on_one_node_are_prefetched_by_the_other(nodes, moose) -> None:  # type: ignore[no-untyped-def]
+    a, b = nodes
+    store = LayerStore(moose.mountpoint / "store")
+    src = WORK / "hot-src"
+    (src / "app").mkdir(parents=True)
+    (src / "app" / "big.bin").write_bytes(os.urandom(8 << 20))
+    (src / "app" / "hello.txt").write_text("hot\n")
+    layer = store.add_dir(src, kind="dir", source="hot", compress=None).digest
+    shutil.rmtree(src)
+    store.put_image("dfs/hot", [store.image(BASE).layers[0], layer], workdir="/app")
+    path = store.path_of(layer)
+    # A settled verification stamp (store.py: 2 s after the file's last change), so that
+    # neither node hashes the layer: a hash reads the whole file, and a node records no
+    # profile of a file it holds all of.
+    changed = path.stat().st_ctime
+    await _until("the layer file settling", lambda: time.time() > changed + 2.2)
+    LayerStore(store.root).verify(layer)
+    try:
+        _drop_cache(path)
+        sa = await a.sandbox_create(SandboxSpec(image="dfs/hot"))
+        try:
+            assert await sh(a, sa.id, "cat hello.txt") == "hot\n"
+        finally:
+            await a.sandbox_destroy(sa.id)
+        # a recorded what its sandbox read: a little of the layer, not the 8 MiB file.
+        await _until("a's profile", lambda: store.hot_profile(layer) is not None)
+        size = path.stat().st_size
+        profile = hotblocks.decode(store.hot_profile(layer) or b"", size)
+        assert profile, "the profile does not decode"
+        assert sum(n for _, n in profile) < size // 4
+
+        # b mounts the layer cold and reads the profile's blocks by itself, before its
+        # sandbox reads anything.
+        _drop_cache(path)
+        assert hotblocks.resident(path)[1] == []
+        sb = await b.sandbox_create(SandboxSpec(image="dfs/hot"))
+        try:
+
+            def covered() -> bool:
+                return _pages(profile) <= _pages(hotblocks.resident(path)[1])
+
+            await _until("b's prefetch", covered)
+            assert await sh(b, sb.id, "cat hello.txt") == "hot\n"
+        finally:
+            await b.sandbox_destroy(sb.id)
+    finally:
+        store.remove_image("dfs/hot")
 
 
 async def test_unreachable_store_fails_new_creates_and_spares_running_ones(nodes, moose) -> None:  # type: ignore[no-untyped-def]

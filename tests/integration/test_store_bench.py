@@ -54,6 +54,8 @@ def test_ondemand_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["modes"]["eager"]["store_reads_mib"] > out["modes"]["ondemand"]["store_reads_mib"]
     for k in ("speedup_vs_eager", "writes_ratio_vs_eager", "vs_cached"):
         assert out[k] > 0, k
+    # Set-up recorded hot-block profiles (a task reads a small part of each layer).
+    assert out["layer_prefetch"] is True and out["profiled_layers"] >= 1
 
 
 def test_workspace_json_shape(bench) -> None:  # type: ignore[no-untyped-def]

@@ -176,6 +176,8 @@ class HostContext:
     """OCI-style mounts every sandbox gets (the node resolver's /etc/resolv.conf)."""
     eager_layers: bool = False
     """Benchmark baseline: copy each layer to node-local disk before its first use."""
+    layer_prefetch: bool = True
+    """Prefetch and record layers' hot blocks (images/hotblocks.py)."""
 
 
 T = TypeVar("T")

@@ -52,6 +52,7 @@ from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
 from corral.host.userns import SandboxUserns, UserNamespace, drop_file
+from corral.images.hotblocks import HotBlocks
 from corral.images.mounts import LayerMounts
 from corral.images.pack import pack_upper, scrub
 from corral.images.store import LayerStore
@@ -125,6 +126,7 @@ class ContainerBackend:
                 ctx.store.verify,
                 self.userns,
                 leases=ctx.store.leases(f"node-{ctx.node_id}"),
+                hot=HotBlocks(ctx.store) if ctx.layer_prefetch else None,
             )
             # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
             self.owners = OwnerUids(self._owner_first, self.config.owner_uids)
@@ -330,9 +332,11 @@ class ContainerBackend:
                     except asyncio.CancelledError:
                         await asyncio.wait([job])
                         if not job.cancelled() and job.exception() is None:
-                            undo.append(functools.partial(self.layers.release, digest))
+                            undo.append(
+                                functools.partial(self.layers.release, digest, record=False)
+                            )
                         raise
-                undo.append(functools.partial(self.layers.release, digest))
+                undo.append(functools.partial(self.layers.release, digest, record=False))
 
         with phases.phase("rootfs"):
             sub = d

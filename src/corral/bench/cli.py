@@ -248,6 +248,14 @@ def ondemand_cmd(
     concurrency: Concurrency = 8,
     readahead_kib: _Readahead = 0,
     delay_ms: _Delay = 0.5,
+    prefetch: Annotated[
+        bool,
+        typer.Option(
+            "--layer-prefetch/--no-layer-prefetch",
+            help="Nodes prefetch layers' recorded hot blocks (the default); with it, set-up "
+            "records the profiles by running one sandbox per image on a node of its own.",
+        ),
+    ] = True,
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
@@ -262,6 +270,7 @@ def ondemand_cmd(
         concurrency,
         readahead_kib or None,
         delay_ms=delay_ms,
+        prefetch=prefetch,
     )
 
 

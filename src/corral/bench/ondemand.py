@@ -8,6 +8,12 @@ shared) + toolkit (a package of modules and data files nobody reads) + workspace
 of files of which the task reads one in ten); each layer verified once, as a publisher
 would (store.py stamps), and then dropped from the page cache.
 
+Hot-block profiles (images/hotblocks.py; on by default, ``--no-layer-prefetch`` for the
+A/B): also in set-up, one sandbox per image runs the task on a node of its own, and that
+node leaves on the store what of each layer its sandboxes read, as the first node to run
+an image does in a cluster; the cached store gets the same profiles (the same software on
+local disk). Every mode's node is still cold: fresh state dir, page cache evicted.
+
 Each mode opens a fresh node (its own state dir), and ``--sandboxes`` sandboxes,
 spread round-robin over the images, are created ``--concurrency`` at a time; each runs
 the task as soon as it is up: imports five modules of its toolkit, reads its sample of
@@ -201,6 +207,10 @@ def copy_store(src: LayerStore, dst: Path) -> LayerStore:
         local.add_file(src.path_of(li.digest), kind=li.kind, source=li.source)
     for img in src.images():
         local.put_image(img.name, img.layers, env=img.env, workdir=img.workdir)
+    for li in src.layers():  # the same software on both: the hot-block profiles too
+        profile = src.hot_profile(li.digest)
+        if profile is not None:
+            local.save_hot_profile(li.digest, profile)
     os.sync()
     stamp_all(local)
     return local
@@ -238,6 +248,7 @@ async def run_burst(
     task: list[str],
     link: dfs.MooseStore | None,
     drop: list[Path],
+    prefetch: bool = True,
 ) -> Figures:
     """Open a fresh node, create ``sandboxes`` sandboxes of ``images`` (round-robin) and
     run ``task`` in each as soon as it is up; the figures, then everything removed."""
@@ -245,7 +256,9 @@ async def run_burst(
         drop_cache(p)
     if link is not None:
         link.drop_server_cache()
-    cfg = opts.node_config(sandboxes).model_copy(update={"eager_layers": eager})
+    cfg = opts.node_config(sandboxes).model_copy(
+        update={"eager_layers": eager, "layer_prefetch": prefetch}
+    )
     sbs: list[Sandbox] = []
     try:
         async with AsyncClient(config=cfg) as client:
@@ -294,6 +307,7 @@ async def ondemand(
     readahead_kib: int | None = None,
     *,
     delay_ms: float = 0.0,
+    prefetch: bool = True,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
@@ -308,11 +322,27 @@ async def ondemand(
             await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
         say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
         names = await asyncio.to_thread(publish_images, store, base.layers, images, image_mib, gen)
+        task = ["python3", "-c", TASK]
+        layer_files = [store.path_of(li.digest) for li in store.layers()]
+        profiled = 0
+        if prefetch:
+            say("recording hot-block profiles: one sandbox per image on a node of its own")
+            await run_burst(
+                _mode_opts(opts, "profile", store.root),
+                eager=False,
+                images=names,
+                sandboxes=len(names),
+                concurrency=concurrency,
+                task=task,
+                link=fs,
+                drop=layer_files,
+            )
+            digests = [li.digest for li in store.layers()]
+            profiled = sum(store.hot_profile(d) is not None for d in digests)
+            say(f"hot-block profiles: {profiled} of {len(digests)} layers")
         cached_dir = gen / "cached-store"
         cached = await asyncio.to_thread(copy_store, store, cached_dir)
-        layer_files = [store.path_of(li.digest) for li in store.layers()]
         cached_files = [cached.path_of(li.digest) for li in cached.layers()]
-        task = ["python3", "-c", TASK]
         out: dict[str, Any] = {
             "scenario": "ondemand",
             "sandboxes": sandboxes,
@@ -324,6 +354,8 @@ async def ondemand(
             "link_mbit": link_mbit,
             "link_delay_ms": delay_ms,
             "store_readahead_kib": readahead_kib,
+            "layer_prefetch": prefetch,
+            "profiled_layers": profiled if prefetch else 0,
             "concurrency": concurrency,
             "machine": machine(),
             "modes": {},
@@ -344,6 +376,7 @@ async def ondemand(
                 task=task,
                 link=fs,
                 drop=drop,
+                prefetch=prefetch,
             )
             out["modes"][mode] = fig.as_dict()
         m = out["modes"]

@@ -10,6 +10,10 @@ With ``leases`` (images/leases.py), a marker on the store says which layers this
 mounted, so ``corral image gc`` run from any node keeps them: it is taken before a
 layer's first mount and dropped after its last unmount.
 
+With ``hot`` (images/hotblocks.py), a layer's first mount on this node starts reading, in
+the background, the parts of the layer file that sandboxes read on the node that recorded
+its profile; when a sandbox using a layer without a profile goes, its reads are recorded.
+
 Example::
 
     layers = LayerMounts(Path("/run/corral/layers"), store.path_of, store.verify, userns,
@@ -28,6 +32,7 @@ from pathlib import Path
 from corral.errors import HostError, InvalidRequest
 from corral.host import mounts
 from corral.host.userns import UserNamespace
+from corral.images.hotblocks import HotBlocks
 from corral.images.leases import Leases
 
 __all__ = ["LayerMounts"]
@@ -52,6 +57,7 @@ class LayerMounts:
         userns: UserNamespace | None,
         *,
         leases: Leases | None = None,
+        hot: HotBlocks | None = None,
     ) -> None:
         self.mount_root = Path(mount_root)
         self.raw_root = self.mount_root / "raw"
@@ -60,6 +66,8 @@ class LayerMounts:
         self._verify = verify
         self._userns = userns
         self._leases = leases
+        self._hot = hot
+        self._files: dict[str, Path] = {}  # digest -> the layer file mounted (for hot)
         self._lock = threading.Lock()  # guards _counts and _locks
         self._counts: dict[str, int] = {}
         # One lock per digest, so a slow first mount (verify hashes the whole file)
@@ -110,6 +118,10 @@ class LayerMounts:
             image = self._resolve(digest)
             if verify:
                 self._verify(digest)  # raises LayerCorrupt before anything is mounted
+            if self._hot is not None:
+                self._hot.prefetch(digest, image)  # in the background, with the mount
+                with self._lock:
+                    self._files[digest] = image
             raw.mkdir(exist_ok=True)
             mounts.mount_erofs(image, raw)
         if self._userns is not None and not mounts.is_mountpoint(idm):
@@ -120,8 +132,10 @@ class LayerMounts:
                 self._unmount(raw, idm)
                 raise
 
-    def release(self, digest: str) -> None:
-        """Drop a reference; the last one unmounts the layer.
+    def release(self, digest: str, *, record: bool = True) -> None:
+        """Drop a reference; the last one unmounts the layer. ``record``: the sandbox
+        ran, so what it read counts for the layer's hot-block profile (not after a
+        failed create).
 
         Overlays already built on the layer keep working: overlayfs holds its own
         reference to each lower.
@@ -132,12 +146,17 @@ class LayerMounts:
                 n = self._counts.get(digest, 0)
                 if n <= 0:
                     raise HostError(f"layer {digest} released more often than acquired")
+                image = self._files.get(digest)
                 if n > 1:
                     self._counts[digest] = n - 1
-                    return
+            if self._hot is not None and image is not None and record:
+                self._hot.record(digest, image)  # once per layer on this node
+            if n > 1:
+                return
             self._unmount(raw, idm)
             with self._lock:
                 del self._counts[digest]
+                self._files.pop(digest, None)
             if self._leases is not None:
                 self._leases.drop(digest)
 
@@ -209,3 +228,9 @@ class LayerMounts:
         for point in mounts.mounts_under(self.mount_root):
             if point != self.mount_root:
                 mounts.umount(point, detach=True)
+        if self._hot is not None:
+            self._hot.drain(_DRAIN_S)  # profiles being written reach the store
+
+
+_DRAIN_S = 5.0
+"""How long a node's shutdown waits for hot-block profiles being read or written."""

@@ -5,6 +5,7 @@ Layout (the directory may be a shared filesystem that several builders and nodes
     ROOT/layers/<hex>.erofs     the layer, named by the SHA-256 of its bytes
     ROOT/layers/<hex>.json      its LayerInfo
     ROOT/layers/<hex>.verified  stamp: the file as it was when some node last hashed it
+    ROOT/layers/<hex>.hot       what of the layer sandboxes read (images/hotblocks.py)
     ROOT/images/<quoted>.json   an ImageInfo, the name percent-quoted into one file name
     ROOT/tmp/                   files being written; renamed into place when complete
     ROOT/leases/<hex>/<holder>  node <holder> has the layer mounted (images/leases.py)
@@ -397,6 +398,38 @@ class LayerStore:
         with self._lock:
             self._verified[digest] = key
 
+    def hot_profile(self, digest: str) -> bytes | None:
+        """The layer's hot-block profile (``<hex>.hot``, images/hotblocks.py), None if it
+        has none. Under the store's deadline."""
+        path = self._layer_paths(digest)[0].with_suffix(".hot")
+
+        def read() -> bytes | None:
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                return None
+
+        return self._io.call(f"reading the hot-block profile of {digest}", read)
+
+    def save_hot_profile(self, digest: str, data: bytes, *, replace: bool = False) -> None:
+        """Store the layer's hot-block profile; unless ``replace``, only if it has none
+        (the first writer wins, as with layers)."""
+        dest = self._layer_paths(digest)[0].with_suffix(".hot")
+
+        def write() -> None:
+            tmp = self._tmp_path(".hot")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if replace:
+                os.replace(tmp, dest)
+                _fsync_dir(dest.parent)
+            else:
+                self._place(tmp, dest)
+
+        self._io.call(f"writing the hot-block profile of {digest}", write)
+
     def forget_verified(self, digest: str) -> None:
         """Drop the remembered good hash of ``digest`` (its file was removed)."""
         with self._lock:
@@ -417,6 +450,7 @@ class LayerStore:
         manifest.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         path.with_suffix(".verified").unlink(missing_ok=True)
+        path.with_suffix(".hot").unlink(missing_ok=True)
         with self._lock:
             self._verified.pop(digest, None)
         _fsync_dir(self._layers_dir)

@@ -117,10 +117,12 @@ def collect(store: LayerStore, *, grace: float, dry_run: bool) -> GcReport:
             record.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
             path.with_suffix(".verified").unlink(missing_ok=True)
+            path.with_suffix(".hot").unlink(missing_ok=True)
             store.forget_verified(digest)
     if not dry_run:
-        for stamp in layers_dir.glob("*.verified"):  # of layers removed by older versions
-            if not stamp.with_suffix(".erofs").exists():
-                stamp.unlink(missing_ok=True)
+        for suffix in ("*.verified", "*.hot"):  # of layers removed by older versions
+            for stamp in layers_dir.glob(suffix):
+                if not stamp.with_suffix(".erofs").exists():
+                    stamp.unlink(missing_ok=True)
         report.tmp_removed = store.clean_tmp(older_than=max(grace, _TMP_MIN_AGE))
     return report

@@ -108,6 +108,7 @@ async def open_host(
         seccomp_notify=security.notify_path,
         extra_mounts=network.mounts(),
         eager_layers=cfg.eager_layers,
+        layer_prefetch=cfg.layer_prefetch,
     )
     made = [make_backend(b, ctx, cfg) for b in cfg.backends] if parts is None else parts[0](ctx)
     for backend in made:
