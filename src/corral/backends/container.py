@@ -574,21 +574,35 @@ class ContainerBackend:
             # A frozen (paused) task never dies of SIGKILL on cgroup v1 until thawed.
             if self.cgroups.is_frozen(sandbox_id):
                 self.cgroups.thaw(sandbox_id, timeout=1.0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + wait
         pid = self.init_pid(sandbox_id)
         if pid:
             # Only if the pid is still the sandbox's: an init that died (and was reaped)
             # before this destroy may have had its pid reused by an unrelated host process.
-            _pidfd_kill(pid, in_cgroup=lambda q: q in self.cgroups.procs(sandbox_id))
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + wait
-        while loop.time() < deadline:
+            fd = _pidfd_kill(
+                pid, in_cgroup=lambda q: q in self.cgroups.procs(sandbox_id), keep=True
+            )
+            if fd is not None:
+                try:
+                    # Its pidfd turns readable once it has exited, which the init of a pid
+                    # namespace does only after every other task in it is gone: one wakeup
+                    # instead of reading cgroup.procs every 2 ms meanwhile (a best-effort
+                    # sandbox's tasks exit on idle CPU only: under load, seconds of polls,
+                    # most of a destroy's CPU).
+                    await _readable(fd, deadline - loop.time())
+                finally:
+                    os.close(fd)
+        while True:
             try:
                 left = self.cgroups.procs(sandbox_id)
             except Exception:
                 return False  # no cgroup (never created, or removed): let the runtime decide
             if not left:
                 return True
+            if loop.time() >= deadline:
+                return False
             if not pid or loop.time() - start > 0.2:
                 # No runtime record (a create interrupted between the runtime starting the
                 # container and writing its state), or the namespace did not go down with
@@ -596,7 +610,6 @@ class ContainerBackend:
                 for p in left:
                     _pidfd_kill(p, in_cgroup=lambda q: q in self.cgroups.procs(sandbox_id))
             await asyncio.sleep(0.002)
-        return False
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
         ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
@@ -791,20 +804,46 @@ def _eager_resolver(store: LayerStore, local: Path) -> Callable[[str], Path]:
     return resolve
 
 
-def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool] | None = None) -> None:
+def _pidfd_kill(
+    pid: int, in_cgroup: Callable[[int], bool] | None = None, keep: bool = False
+) -> int | None:
     """SIGKILL ``pid`` through a pidfd; with ``in_cgroup``, only if, once the pidfd pins
-    the process, it is still in the sandbox's cgroup (the pid may have been reused)."""
+    the process, it is still in the sandbox's cgroup (the pid may have been reused). With
+    ``keep``, the pidfd of a process signalled is returned (the caller closes it)."""
     try:
         fd = os.pidfd_open(pid)
     except (ProcessLookupError, OSError):
-        return
+        return None
+    sent = False
     try:
         if in_cgroup is None or in_cgroup(pid):
             signal.pidfd_send_signal(fd, signal.SIGKILL)
+            sent = True
     except (ProcessLookupError, OSError, HostError):
         pass
     finally:
-        os.close(fd)
+        if not (keep and sent):
+            os.close(fd)
+    return fd if keep and sent else None
+
+
+async def _readable(fd: int, timeout: float) -> None:
+    """Wait until ``fd`` (a pidfd: its process exited) is readable, at most ``timeout``."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        async with asyncio.timeout(max(timeout, 0.0)):
+            await ready
+    except TimeoutError:
+        pass
+    finally:
+        loop.remove_reader(fd)
 
 
 def remove_sandbox_dir(d: Path) -> None:
