@@ -24,3 +24,28 @@ def test_events_marks_and_retention(tmp_path: Path) -> None:
         assert st.trim_events(keep=5) == 0
     finally:
         st.close()
+
+
+def test_batch_commits_once_keeps_work_on_error_and_nests(tmp_path: Path) -> None:
+    st = StateStore(tmp_path / "state.db")
+    other = StateStore(tmp_path / "state.db")  # another connection: sees commits only
+    try:
+        with st.batch():
+            st.add_event("sb-a", "one", {})
+            with st.batch():  # joins the outer one
+                st.add_event("sb-a", "two", {})
+            assert other.events() == []  # not committed yet
+        assert [e.kind for e in other.events()] == ["one", "two"]
+        try:
+            with st.batch():
+                st.add_event("sb-b", "kept", {})
+                raise RuntimeError("a step after the write failed")
+        except RuntimeError:
+            pass
+        # Committed all the same, as statement-by-statement writes were.
+        assert [e.kind for e in other.events()][-1] == "kept"
+        st.add_event("sb-c", "after", {})  # autocommit again
+        assert [e.kind for e in other.events()][-1] == "after"
+    finally:
+        other.close()
+        st.close()

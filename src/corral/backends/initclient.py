@@ -23,6 +23,7 @@ import asyncio
 import errno
 import math
 import os
+import socket
 import struct
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
@@ -323,22 +324,24 @@ class InitClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 r, w = await asyncio.open_unix_connection(self.path, limit=1 << 20)
-        except FileNotFoundError:
-            raise SandboxError(
-                f"init control socket {self.path} does not exist (sandbox not running?)"
-            ) from None
-        except ConnectionRefusedError:
-            raise SandboxError(
-                f"init control socket {self.path} refused the connection (init not running)"
-            ) from None
-        except TimeoutError:
-            raise SandboxError(
+        except (OSError, TimeoutError) as e:
+            raise self._connect_error(e) from None
+        return _Conn(r, w, self.path, op)
+
+    def _connect_error(self, e: OSError | TimeoutError) -> SandboxError:
+        """Why connecting to the init's control socket failed, in words."""
+        if isinstance(e, FileNotFoundError):
+            why = "does not exist (sandbox not running?)"
+        elif isinstance(e, ConnectionRefusedError):
+            why = "refused the connection (init not running)"
+        elif isinstance(e, TimeoutError):
+            return SandboxError(
                 f"init control socket {self.path}: no connection within "
                 f"{self.connect_timeout} s (init stuck?)"
-            ) from None
-        except OSError as e:
-            raise SandboxError(f"init control socket {self.path}: {e}") from None
-        return _Conn(r, w, self.path, op)
+            )
+        else:
+            return SandboxError(f"init control socket {self.path}: {e}")
+        return SandboxError(f"init control socket {self.path} {why}")
 
     async def _call(
         self, op: str, payload: bytes, guard: float | None = None
@@ -360,8 +363,56 @@ class InitClient:
             c.close()
 
     async def ping(self) -> None:
-        """Round trip to the init; raises SandboxError when it does not answer."""
-        await self._call("ping", _field(OP, "ping"), guard=self.connect_timeout + _GUARD)
+        """Round trip to the init; raises SandboxError when it does not answer.
+
+        Every create waits for one, so it goes over a bare non-blocking socket: no stream
+        reader, writer and transport to build for a 10-byte answer (the same frames and
+        errors as :meth:`_call`)."""
+        loop = asyncio.get_running_loop()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.setblocking(False)
+        try:
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    await loop.sock_connect(s, self.path)
+            except (OSError, TimeoutError) as e:
+                raise self._connect_error(e) from None
+            guard = self.connect_timeout + _GUARD
+            try:
+                async with asyncio.timeout(guard):
+                    await loop.sock_sendall(s, _frame(_Q, _field(OP, "ping")))
+                    buf = b""
+                    while True:
+                        while len(buf) >= 5:
+                            n, t = _HDR.unpack_from(buf)
+                            if not 1 <= n <= MAX_FRAME:
+                                raise SandboxError(
+                                    f"init at {self.path} sent a bad frame length {n} (ping)"
+                                )
+                            if len(buf) < 4 + n:
+                                break
+                            if t == _R:
+                                raise _error(buf[5 : 4 + n], "ping", self.path)
+                            if t in (_A, _X, _N):
+                                return
+                            buf = buf[4 + n :]
+                        data = await loop.sock_recv(s, 4096)
+                        if not data:
+                            raise SandboxError(
+                                f"init at {self.path} closed the connection before answering "
+                                "ping (did the sandbox stop?)"
+                            )
+                        buf += data
+            except TimeoutError:
+                raise SandboxError(
+                    f"init at {self.path} did not answer ping in {guard} s"
+                ) from None
+            except ConnectionError as e:
+                raise SandboxError(
+                    f"init at {self.path}: connection lost during ping ({e})"
+                ) from None
+        finally:
+            s.close()
 
     async def exec(
         self,

@@ -27,7 +27,7 @@ from corral.bench.scenarios import (
     prepared,
     say,
 )
-from corral.bench.stats import rate, summary_ms
+from corral.bench.stats import CpuMeter, rate, summary_ms
 from corral.errors import CorralError
 from corral.host import leaks
 from corral.sdk import AsyncClient, Sandbox
@@ -93,6 +93,7 @@ async def _run(
             errors = 0
             while len(sbs) < count:
                 n = min(window, count - len(sbs))
+                cpu = CpuMeter().start()
                 made = await _create_n(client, img, n, concurrency, sbs, False, "scale")
                 errors += len(made.errors)
                 if made.errors and "first_error" not in res:
@@ -100,6 +101,7 @@ async def _run(
                 w = {
                     "live": len(sbs),
                     "create_per_s": rate(n - len(made.errors), made.wall),
+                    "cpu_ms_per_create": cpu.per_op(n - len(made.errors)),
                     "exec_p50_ms": await _exec_p50(sbs),
                 }
                 windows.append(w)
@@ -116,8 +118,10 @@ async def _run(
             res["exec_p50_ms_full"] = windows[-1]["exec_p50_ms"]
             say(f"scale: destroying {len(sbs)}")
             todo, sbs = sbs, []
+            cpu = CpuMeter().start()
             gone = await _destroy_all(todo, concurrency)
             res["destroy_per_s"] = rate(len(gone.latencies), gone.wall) if todo else 0.0
+            res["cpu_ms_per_destroy"] = cpu.per_op(len(gone.latencies))
             res["destroy_errors"] = len(gone.errors)
         finally:
             await _destroy_all(sbs, concurrency)

@@ -24,7 +24,7 @@ from typing import Any
 from corral.bench import hostmem, metrics_overhead
 from corral.bench.docker import DockerBaseline
 from corral.bench.image import BenchImage, ensure_image, mounted_rootfs
-from corral.bench.stats import rate, summary_ms
+from corral.bench.stats import CpuMeter, rate, summary_ms
 from corral.errors import CorralError, SandboxError
 from corral.host import leaks
 from corral.images.store import LayerStore
@@ -285,7 +285,10 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
             try:
                 say(f"corral: {count} creates at concurrency {concurrency}")
                 since = time.time()
+                cpu = CpuMeter().start()
                 t = await _create_n(client, img, count, concurrency, sbs, True, "create")
+                # Per create + exec(true): where the node's 2 cores go, whatever the load.
+                out["cpu_ms_per_create"] = cpu.per_op(count - len(t.errors))
                 out["phases_ms"] = await _create_phases(client, "create", since)
                 # Serial creates vary by several ms here: 100 of each (interleaved in
                 # blocks) resolve a 2% difference where 20 did not.

@@ -14,9 +14,10 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
-__all__ = ["percentile", "p50", "p99", "summary_ms", "rate"]
+__all__ = ["percentile", "p50", "p99", "summary_ms", "rate", "CpuMeter"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -60,3 +61,28 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
         "max_ms": round(max(seconds) * 1000, 2),
         "n": len(seconds),
     }
+
+
+class CpuMeter:
+    """CPU time this process (the bench's embedded node and its client) and its waited-for
+    children (corral-launch, runtimes) spend between :meth:`start` and :meth:`per_op`.
+
+    CPU time, not wall time: robust on a loaded machine, where wall time measures the
+    neighbours as much as corral.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = os.times()
+
+    def start(self) -> CpuMeter:
+        self._t0 = os.times()
+        return self
+
+    def per_op(self, ops: int) -> dict[str, float]:
+        """Milliseconds per operation: ``node`` (user+system of this process),
+        ``children`` (user+system of exited children)."""
+        t1, t0 = os.times(), self._t0
+        node = (t1.user - t0.user) + (t1.system - t0.system)
+        kids = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
+        n = max(ops, 1)
+        return {"node": round(node * 1000 / n, 2), "children": round(kids * 1000 / n, 2)}

@@ -144,10 +144,11 @@ class Lifecycle:
             if isinstance(e, Exception):
                 raise HostError(f"creating sandbox failed: {e}") from e
             raise
-        info = self.table.set_state(
-            sid, "running", pid=started.pid, address=address, layer_access=started.layer_access
-        )
-        self.state.add_event(sid, "created", {"image": spec.image, "pid": started.pid, **why})
+        with self.state.batch():  # one commit for the record and its event
+            info = self.table.set_state(
+                sid, "running", pid=started.pid, address=address, layer_access=started.layer_access
+            )
+            self.state.add_event(sid, "created", {"image": spec.image, "pid": started.pid, **why})
         self.security.created(sid)
         self.record("create", t, info)
         return info
@@ -300,8 +301,9 @@ class Lifecycle:
         finally:
             with contextlib.suppress(Exception):
                 await self.network.detach(sid)
-            self.table.remove(sid)
-            self.state.add_event(sid, why, {})
+            with self.state.batch():  # one commit for the record and its event
+                self.table.remove(sid)
+                self.state.add_event(sid, why, {})
             self.record("destroy", t, info)
 
     def keep(self, task: asyncio.Task[None]) -> None:

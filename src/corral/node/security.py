@@ -306,14 +306,20 @@ class NodeSecurity:
         if self.fdstore is not None:
             self.fdstore.put(sandbox_id, fd)
 
-    def created(self, sandbox_id: str) -> None:
+    def created(self, sandbox_id: str, fresh: bool = True) -> None:
+        """A new sandbox (``fresh``): its cgroup was made by this create, so its refusal
+        counters start at zero, and anything counted during its start is reported (no
+        read of them on the create path). An adopted one starts from the kernel's figures."""
         self._known.add(sandbox_id)
-        self.log.seen(sandbox_id, self._counters(sandbox_id))
+        if fresh:
+            self.log.seen(sandbox_id, {"pids_limit": 0, "oom_kill": 0})
+        else:
+            self.log.seen(sandbox_id, self._counters(sandbox_id))
 
     def adopted(self, sandbox_id: str) -> None:
         """A sandbox from before an agent restart: its notification fds come back from the
         fd holder; without them (no holder) it is marked ``seccomp_unwatched``."""
-        self.created(sandbox_id)
+        self.created(sandbox_id, fresh=False)
         if self.listener is None:
             return
         fds = self._handed.pop(sandbox_id, [])

@@ -19,10 +19,13 @@ Two faults from outside the node are turned into clear refusals instead of silen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import struct
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_args
 
@@ -59,6 +62,7 @@ CREATE TABLE IF NOT EXISTS shells (
     env TEXT NOT NULL,
     created_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS shells_sandbox ON shells(sandbox_id);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     sandbox_id TEXT,
@@ -164,6 +168,25 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._closed = False
+        self._batch_lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The statements run inside commit together: one write-ahead-log append instead
+        of one per statement (a create's "running" record and its event, a destroy's
+        record and event). Committed also when the body raises: what ran is kept, as it
+        was statement by statement. Nested batches join the outer one. The body must not
+        await: another batch on the event loop would nest into this one's commit."""
+        with self._batch_lock:
+            if self._db.in_transaction:
+                yield
+                return
+            self._db.execute("BEGIN")
+            try:
+                yield
+            finally:
+                if self._db.in_transaction:
+                    self._db.execute("COMMIT")
 
     def close(self) -> None:
         self._closed = True
