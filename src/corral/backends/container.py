@@ -254,12 +254,22 @@ class ContainerBackend:
     def files(self, sandbox_id: str) -> SandboxFS:
         f = self._fs.get(sandbox_id)
         if f is None:
-            f = self._fs[sandbox_id] = SandboxFS(
-                self.rootfs(sandbox_id),
-                uid=self.host_uid,
-                gid=self.host_uid,
-                require_mount=True,
-            )
+            if isinstance(self.runtime, Launcher):
+                # No host mount of the rootfs: the init's root, as the guest sees it.
+                f = SandboxFS(
+                    self.rootfs(sandbox_id),
+                    uid=self.host_uid,
+                    gid=self.host_uid,
+                    open_root=functools.partial(self.runtime.open_root, sandbox_id),
+                )
+            else:
+                f = SandboxFS(
+                    self.rootfs(sandbox_id),
+                    uid=self.host_uid,
+                    gid=self.host_uid,
+                    require_mount=True,
+                )
+            self._fs[sandbox_id] = f
         return f
 
     def meters(self, sandbox_id: str) -> Meters:
@@ -355,9 +365,19 @@ class ContainerBackend:
                 os.chown(upper, self.host_uid, self.host_uid)
 
             root = self.rootfs(sandbox_id)
-            root.mkdir(exist_ok=base is not None)
-            mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
-            undo.append(lambda: mounts.umount(root, detach=True))
+            root_mnt = _OwnedFd()
+            if isinstance(self.runtime, Launcher):
+                # A detached mount: the launcher attaches it in the sandbox's own mount
+                # namespace only; the host's mount table never holds it (design notes,
+                # "Density"). Our fd goes once the launch is over (_launch).
+                root_mnt.fd = mounts.overlay_fd(
+                    list(reversed(lowers)), upper, work, what=f"{sandbox_id} rootfs"
+                )
+                undo.append(root_mnt.close)
+            else:
+                root.mkdir(exist_ok=base is not None)
+                mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
+                undo.append(lambda: mounts.umount(root, detach=True))
 
         userns = None
         if self.owners is not None:
@@ -375,7 +395,7 @@ class ContainerBackend:
             lsock.listen(64)
             if isinstance(self.runtime, Launcher):
                 return await self._launch(
-                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency
+                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency, root_mnt
                 )
             config = self._config(
                 sandbox_id,
@@ -409,6 +429,9 @@ class ContainerBackend:
             # The init holds its own copy of the listening socket now; ours must go so that
             # the socket dies with the sandbox.
             lsock.close()
+            # Ours, not state to undo: the launcher attached it in the sandbox's namespace
+            # (or failed, and then the overlay must go with the launcher's copy).
+            root_mnt.close()
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
@@ -446,9 +469,11 @@ class ContainerBackend:
         root: Path,
         userns: SandboxUserns | None,
         latency: bool,
+        root_mnt: _OwnedFd,
     ) -> int:
         """The rest of a create with corral's launcher (:mod:`corral.host.launch`): the
-        same OCI config, executed without a runtime; no bundle is written."""
+        same OCI config, executed without a runtime; no bundle is written. ``root_mnt``:
+        the detached rootfs overlay, closed here once the launcher has it."""
         assert isinstance(self.runtime, Launcher)
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
@@ -470,8 +495,10 @@ class ContainerBackend:
                 owner=0 if userns is None else userns.owner,
                 cgroup_procs=procs,
                 cpu_procs=cpu_procs,
+                rootfs_fd=root_mnt.fd,
             )
         lsock.close()  # the init holds its own copy now
+        root_mnt.close()  # attached in the sandbox's namespace: it lives as long as that
         return await self._after_start(sandbox_id, spec, pid, phases)
 
     def _config(
@@ -616,7 +643,10 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
-        ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
+        if isinstance(self.runtime, Launcher):
+            ok = self.alive(sandbox_id)  # its rootfs lives in its own mount namespace
+        else:
+            ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
         pid = self.init_pid(sandbox_id)
         if not ok or not pid:
             return None
@@ -710,6 +740,8 @@ class ContainerBackend:
         root = self.rootfs(sandbox_id)
 
         async def umount_root() -> None:
+            if isinstance(self.runtime, Launcher):
+                return  # its rootfs went with its mount namespace (no host mount)
             try:
                 mounts.umount(root)  # the usual case: nothing holds the overlay any more
             except HostError:
@@ -848,6 +880,18 @@ async def _readable(fd: int, timeout: float) -> None:
         pass
     finally:
         loop.remove_reader(fd)
+
+
+class _OwnedFd:
+    """An fd closed at most once (by the create's undo or its success, whichever first)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def remove_sandbox_dir(d: Path) -> None:

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,7 @@ def plan(
     cgroup_v2: bool,
     cpu_procs: Sequence[Path] = (),
     bpf: bytes | None = None,
+    rootfs_fd: bool = False,
 ) -> Plan:
     """The launcher's instructions for ``config`` (see the module docstring).
 
@@ -168,7 +170,10 @@ def plan(
     ``cgroup_mounts``: (name under /sys/fs/cgroup, mount options) of each v1 hierarchy the
     sandbox has a cgroup of its own in: only those are mounted in the guest (a hierarchy
     where it has none would show the node's cgroup). ``bpf``: the compiled seccomp filter
-    if the caller has it cached (else it is compiled here).
+    if the caller has it cached (else it is compiled here). ``rootfs_fd``: the rootfs is a
+    detached mount the launcher gets on fd 6 and the mount namespace to start from the
+    node's template on fd 7 (option ``-t``; see :meth:`Launcher.start`); the config's root
+    path is then not used.
     """
     proc, linux = config["process"], config["linux"]
     if proc.get("terminal") or proc.get("user", {}) != {"uid": 0, "gid": 0}:
@@ -226,7 +231,9 @@ def plan(
         if seccomp.get("listenerPath"):
             args += ["-l", _sep(seccomp["listenerPath"], sandbox_id)]
 
-    steps = [_sep("root", config["root"]["path"])]
+    if rootfs_fd:
+        args.append("-t")
+    steps = [_sep("root", "-" if rootfs_fd else config["root"]["path"])]
     cg_steps = ["cgns"]
     has_dev = False
     for mnt in config["mounts"]:
@@ -294,6 +301,7 @@ class Launcher:
         self.cgroups = cgroups
         self._bpf: dict[str, tuple[bytes, int]] = {}
         self._bpf_by_id: dict[int, tuple[dict[str, Any], tuple[bytes, int]]] = {}
+        self._template = -1
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
@@ -309,9 +317,47 @@ class Launcher:
         why = supported()
         if why is not None:
             raise HostError(f"corral-launch cannot run here: {why}")
-        return cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+        ln = cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+        ln.template()  # at start: a host where it cannot be made fails here, not per create
+        return ln
+
+    def template(self) -> int:
+        """An fd of the node's template mount namespace, made on first use (see
+        corral-launch.c, ``-T``): a sandbox's mount namespace is a copy of it (3 mounts)
+        instead of the node's (every mount on the host, so a create got slower with every
+        sandbox alive while rootfs overlays were mounted there). It lives while the fd is
+        open; a restarted node makes a new one (sandboxes keep their own copies)."""
+        if self._template >= 0:
+            return self._template
+        # A directory that exists: the tmpfs is mounted over it in the template's namespace
+        # only (private from its first call), never in the node's.
+        cmd = [self.binary, "-T", str(self.root)]
+        # Safe: corral's own launcher, making a private mount namespace of its own.
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(),
+            close_fds=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            ready = proc.stdout.readline()
+            if ready != b"READY\n":
+                why = (ready + proc.stdout.read()).decode(errors="replace").strip()
+                raise HostError(f"corral-launch: the template mount namespace: {why}")
+            self._template = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            proc.stdin.close()
+            proc.stdout.close()
+            proc.wait()
+        return self._template
 
     def close(self) -> None:
+        if self._template >= 0:
+            os.close(self._template)
+            self._template = -1
         for _, fd in self._bpf.values():
             os.close(fd)
         self._bpf.clear()
@@ -425,8 +471,14 @@ class Launcher:
         owner: int,
         cgroup_procs: Sequence[Path],
         cpu_procs: Sequence[Path] = (),
+        rootfs_fd: int = -1,
     ) -> int:
         """Start the sandbox; returns its init's host pid once the init runs (exec'd).
+
+        ``rootfs_fd``: the sandbox's rootfs as a detached mount (:func:`mounts.overlay_fd`):
+        the launcher attaches it in the sandbox's own mount namespace, made from the
+        template (:meth:`template`), so it never appears in the host's; the caller closes
+        its fd afterwards. Else the config's root path (a host mount) is bound.
 
         HostError with the launcher's one-line report (which step, which errno) on
         failure; the caller's undo removes the cgroup (and with it anything the launcher
@@ -445,7 +497,9 @@ class Launcher:
             cpu_procs=cpu_procs,
             cgroup_v2=self.cgroups.mode == "v2",
             bpf=bpf,
+            rootfs_fd=rootfs_fd >= 0,
         )
+        template = self.template() if rootfs_fd >= 0 else -1
         argv = [self.binary]
         fault = os.environ.get(FAULT_ENV)
         if fault:
@@ -453,7 +507,7 @@ class Launcher:
         argv += p.args
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd)
+            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
         except BaseException:
             os.close(rep_r)
             os.close(rep_w)
@@ -497,6 +551,26 @@ class Launcher:
             return None
         pid = int(pid_s)
         return pid if _start_time(pid) == start else None
+
+    def open_root(self, sandbox_id: str) -> int:
+        """A directory fd of the sandbox's root as its init sees it (``/proc/<pid>/root``):
+        its rootfs is mounted in its own mount namespace only. Works after a node restart
+        (nothing is held). The pid is checked against the record before and after the
+        open, so the fd is never another process's root (a reused pid has another start
+        time). HostError once the sandbox is gone."""
+        pid = self.init_pid(sandbox_id)
+        if pid is None:
+            raise HostError("the sandbox's root filesystem is not available (no init)")
+        try:
+            # Safe: host root opening the root of corral's own sandbox init, to resolve
+            # guest paths in it with openat2(RESOLVE_IN_ROOT) (backends/files.py).
+            fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise HostError("the sandbox's root filesystem is not available") from None
+        if self.init_pid(sandbox_id) != pid:
+            os.close(fd)
+            raise HostError("the sandbox's root filesystem is not available (init gone)")
+        return fd
 
     async def list(self) -> list[dict[str, Any]]:
         """Every sandbox with a record (what gc compares with the live ones)."""
@@ -544,23 +618,32 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _spawn(argv: list[str], ctl_fd: int, report_fd: int, bpf_fd: int) -> int:
+def _spawn(
+    argv: list[str],
+    ctl_fd: int,
+    report_fd: int,
+    bpf_fd: int,
+    rootfs_fd: int = -1,
+    template_fd: int = -1,
+) -> int:
     """posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
-    4 (report pipe), 5 (BPF program) and stdio on /dev/null."""
+    4 (report pipe), 5 (BPF program), 6 (the rootfs mount), 7 (the template mount
+    namespace) and stdio on /dev/null."""
     dups: list[int] = []
+    srcs = (ctl_fd, report_fd, bpf_fd, rootfs_fd, template_fd)
     try:
         # Above 9, so the dup2s below never have source == target (which would keep CLOEXEC).
-        for fd in (ctl_fd, report_fd, bpf_fd):
+        for fd in srcs:
             dups.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) if fd >= 0 else -1)
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
         ]
-        for target, src in zip((3, 4, 5), dups, strict=True):
+        for target, src in zip((3, 4, 5, 6, 7), dups, strict=True):
             if src >= 0:
                 actions.append((os.POSIX_SPAWN_DUP2, src, target))
-        # Safe: runs corral's own launcher with the sandbox's plan; only fds 0-5 cross.
+        # Safe: runs corral's own launcher with the sandbox's plan; only fds 0-7 cross.
         return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
     finally:
         for d in dups:
