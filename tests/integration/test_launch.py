@@ -22,6 +22,7 @@ import pytest
 
 from corral.backends.config import ContainerConfig
 from corral.policy.caps import GUEST_CAPS, cap_mask
+from corral.errors import PathRefused, SandboxNotFound
 from corral.spec import ExecRequest, ExecResult, Limits, SandboxSpec
 from tests.conftest import TEST_RUN, TEST_STATE, TEST_SUBTREE
 from tests.integration.conftest import assert_no_leaks, node_config, open_node
@@ -205,6 +206,40 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     assert "nodev" in root.split()[5]
     init = next(ln for ln in text.splitlines() if ln.split()[4] == "/.corral/init")
     assert set(init.split()[5].split(",")) >= {"ro", "nosuid", "nodev"}
+
+
+async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher: the rootfs overlay is attached in the sandbox's own mount namespace only
+    (the host's table, which every new mount namespace copies, does not grow per sandbox),
+    and that namespace holds nothing of the template it was copied from. The files API
+    reaches the root through the init (works, refuses the guest's own mounts)."""
+    backend = rt_node.backends.get("container")
+    if backend.runtime.name != "launch":
+        pytest.skip("an OCI runtime is given the rootfs as a host path")
+    async with sandbox(rt_node) as sid:
+        pid = backend.init_pid(sid)
+        host = Path("/proc/self/mountinfo").read_text().splitlines()
+        theirs = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        (root,) = [ln for ln in theirs if ln.split()[4] == "/"]
+        assert ln_fstype(root) == "overlay", root
+        # Mount ids are unique across namespaces; the superblock's device too.
+        assert root.split()[0] not in {ln.split()[0] for ln in host}
+        assert root.split()[2] not in {ln.split()[2] for ln in host}
+        assert sid not in "\n".join(host)
+        # Nothing of the template (its tmpfs, proc, sysfs) is left in the sandbox's.
+        assert not any("corral-template" in ln for ln in theirs), theirs
+        assert sum(ln_fstype(ln) == "sysfs" for ln in theirs) == 1, theirs
+        await rt_node.file_write(sid, "/work/a.txt", b"hi")
+        assert (await sh(rt_node, sid, "cat /work/a.txt")).stdout == b"hi"
+        assert await rt_node.file_read(sid, "/work/a.txt") == b"hi"
+        with pytest.raises(PathRefused):
+            await rt_node.file_read(sid, "/proc/1/environ")
+    with pytest.raises(SandboxNotFound):
+        await rt_node.file_read(sid, "/work/a.txt")
+
+
+def ln_fstype(line: str) -> str:
+    return line.split(" - ")[1].split()[0]
 
 
 async def test_masked_dirs_are_binds_of_the_empty_init_dir(rt_node) -> None:  # type: ignore[no-untyped-def]
