@@ -184,12 +184,13 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     async with sandbox(rt_node) as sid:
         text = (await sh(rt_node, sid, "cat /proc/self/mountinfo")).stdout.decode()
     points = {ln.split()[4] for ln in text.splitlines()}
+    launch = rt_node.backends.get("container").runtime.name == "launch"
     for p in (
         "/",
         "/proc",
         "/dev",
         "/dev/pts",
-        "/dev/shm",
+        *(() if launch else ("/dev/shm",)),  # the launcher: a directory of /dev
         "/dev/mqueue",
         "/sys",
         "/sys/fs/cgroup",
@@ -240,6 +241,53 @@ async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # 
 
 def ln_fstype(line: str) -> str:
     return line.split(" - ")[1].split()[0]
+
+
+async def test_fewer_superblocks_same_properties(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher: /dev/shm is a directory of the /dev tmpfs (sticky, world-writable; /dev
+    is nosuid, nodev, noexec as /dev/shm was, and holds both sizes), and /sys/fs/cgroup a
+    read-only bind of one node-wide tree: 6 superblocks per sandbox, not 8. Each still
+    refuses what it refused: no write to /sys/fs/cgroup, no exec or device from /dev/shm,
+    shm_open-style files work and count against the sandbox's memory."""
+    if rt_node.backends.get("container").runtime.name != "launch":
+        pytest.skip("crun mounts what the config says")
+    async with sandbox(rt_node) as sid:
+        pid = rt_node.backends.get("container").init_pid(sid)
+        info = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        r = await sh(
+            rt_node,
+            sid,
+            "stat -c '%a %U' /dev/shm; echo x > /dev/shm/f && cat /dev/shm/f; "
+            "cp /bin/busybox /dev/shm/bb && /dev/shm/bb true && echo SHM-EXEC; "
+            "mknod /dev/shm/n c 1 3 2>/dev/null && echo MKNOD; "
+            "mkdir /sys/fs/cgroup/x 2>/dev/null && echo CGROUP-WRITABLE; "
+            "touch /sys/fs/cgroup/memory/x 2>/dev/null && echo MEMCG-WRITABLE; "
+            "ls /sys/fs/cgroup; cat /sys/fs/cgroup/memory/memory.limit_in_bytes; "
+            "dd if=/dev/zero of=/dev/shm/big bs=1M count=70 2>&1 | grep -o 'No space left' | head -1",
+        )
+    out = r.stdout.decode()
+    points = {ln.split()[4]: ln for ln in info}
+    assert "/dev/shm" not in points
+    dev = points["/dev"]
+    assert {"nosuid", "nodev", "noexec"} <= set(dev.split()[5].split(",")), dev
+    cg = points["/sys/fs/cgroup"]
+    assert ln_fstype(cg) == "tmpfs" and cg.split()[3] == "/cgroup", cg  # the init tmpfs
+    assert "ro" in cg.split()[5].split(","), cg
+    supers = {ln.split()[2] for ln in info if ln_fstype(ln) not in ("cgroup", "cgroup2")}
+    kinds = sorted(
+        ln_fstype(ln)
+        for ln in info
+        if ln.split()[3] == "/" and ln_fstype(ln) not in ("cgroup", "cgroup2", "devtmpfs")
+    )
+    assert kinds == ["devpts", "mqueue", "overlay", "proc", "sysfs", "tmpfs"], (kinds, supers)
+    lines = out.splitlines()
+    assert lines[0] == "1777 root", out
+    assert lines[1] == "x", out
+    for bad in ("SHM-EXEC", "MKNOD", "CGROUP-WRITABLE", "MEMCG-WRITABLE"):
+        assert bad not in out, out
+    assert "memory" in out and str(Limits().memory) in out, out
+    # 64 MiB of /dev/shm as before (+ /dev's own 64 KiB): 70 MiB do not fit.
+    assert "No space left" in out, out
 
 
 async def test_masked_dirs_are_binds_of_the_empty_init_dir(rt_node) -> None:  # type: ignore[no-untyped-def]

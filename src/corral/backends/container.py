@@ -64,6 +64,7 @@ __all__ = ["ContainerBackend", "remove_sandbox_dir"]
 
 log = logging.getLogger("corral.backends.container")
 
+_PF_EXITING = 0x4  # include/linux/sched.h: /proc/<pid>/stat field 9
 _KEEP = ("upper", "work", "rootfs")  # what a fork base keeps of a sandbox dir
 _MIN_SCRATCH_ROOM = 8 << 20
 """Free scratch space below which a create is refused: a sandbox that starts with no room
@@ -113,6 +114,9 @@ class ContainerBackend:
         opened: list[Callable[[], object]] = [self.runtime.close]
         try:
             self.init_path = await asyncio.to_thread(self._install_init)
+            if isinstance(self.runtime, Launcher):
+                # On the init's tmpfs: one read-only /sys/fs/cgroup tree for every sandbox.
+                self.runtime.use_cgroup_tree(self.init_path.parent / "cgroup")
             self.userns = UserNamespace.create(ctx.host_uid, ctx.id_count)
             opened.append(self.userns.close)
             resolve: Callable[[str], Path] = ctx.store.path_of
@@ -590,12 +594,15 @@ class ContainerBackend:
             return False
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+                fields = f.read().rsplit(b")", 1)[1].split()
+            state, flags = fields[0], int(fields[6])
+        except (OSError, IndexError, ValueError):
             return False
         # A killed init stays a zombie until the host's init reaps it (seen: 1.7 s here);
-        # it serves nothing any more.
-        return state not in (b"Z", b"X")
+        # it serves nothing any more. Before that it is exiting (PF_EXITING) while the
+        # kernel kills the rest of its pid namespace, and the last of those tears down the
+        # sandbox's mount namespace, its rootfs overlay with it (a sync of the upper).
+        return state not in (b"Z", b"X") and not flags & _PF_EXITING
 
     async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> bool:
         """SIGKILL the init (the kernel then kills its whole pid namespace) and wait until no

@@ -160,6 +160,7 @@ def plan(
     cpu_procs: Sequence[Path] = (),
     bpf: bytes | None = None,
     rootfs_fd: bool = False,
+    cgroup_tree: str | None = None,
 ) -> Plan:
     """The launcher's instructions for ``config`` (see the module docstring).
 
@@ -173,7 +174,13 @@ def plan(
     if the caller has it cached (else it is compiled here). ``rootfs_fd``: the rootfs is a
     detached mount the launcher gets on fd 6 and the mount namespace to start from the
     node's template on fd 7 (option ``-t``; see :meth:`Launcher.start`); the config's root
-    path is then not used.
+    path is then not used. ``cgroup_tree``: (v1) a host directory holding an empty
+    directory per name of ``cgroup_mounts``, bound read-only as /sys/fs/cgroup instead of
+    a tmpfs per sandbox (one superblock less each; see :meth:`Launcher.cgroup_tree`).
+
+    A tmpfs at /dev/shm beside the /dev tmpfs becomes a directory of /dev (one superblock
+    less per sandbox): /dev takes both sizes and both mounts' flags (the stricter union,
+    so /dev/shm stays nosuid, nodev, noexec; /dev holds only binds and links).
     """
     proc, linux = config["process"], config["linux"]
     if proc.get("terminal") or proc.get("user", {}) != {"uid": 0, "gid": 0}:
@@ -236,16 +243,23 @@ def plan(
     steps = [_sep("root", "-" if rootfs_fd else config["root"]["path"])]
     cg_steps = ["cgns"]
     has_dev = False
+    shm = _shm_in_dev(config["mounts"])
     for mnt in config["mounts"]:
         dst, typ, src = mnt["destination"], mnt["type"], mnt.get("source", "")
         flags, data, rec, rro = _flags(mnt.get("options", []))
-        if typ == "bind":
+        if shm is not None and dst == "/dev":
+            flags |= shm[0]
+            data = [d for d in data if not d.startswith("size=")]
+            data.append(f"size={_size(mnt['options']) + shm[2]}")
+        if shm is not None and dst == "/dev/shm":
+            steps.append(_sep("dir", dst, f"{shm[1]:o}"))
+        elif typ == "bind":
             steps.append(_sep("bind", src, dst, f"{flags:x}", "1" if rec else "0"))
             if rro:
                 steps.append(_sep("rro", dst))
         elif typ == "cgroup":
             # After the cgroup namespace exists (see corral-launch.c, step cgns).
-            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2)
+            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2, cgroup_tree)
         else:
             steps.append(_sep("fs", typ, src, dst, f"{flags:x}", ",".join(data)))
         has_dev = has_dev or dst == "/dev"
@@ -269,15 +283,55 @@ def plan(
     return out
 
 
+def _size(options: Sequence[str]) -> int:
+    """A tmpfs ``size=`` option in bytes (k, m, g suffixes; no %)."""
+    for o in options:
+        if o.startswith("size="):
+            v = o[5:].lower()
+            mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1:], 1)
+            try:
+                return int(v.rstrip("kmg")) * mult
+            except ValueError:
+                break
+    raise HostError(f"launch: a tmpfs needs a size=N[kmg] option ({list(options)})")
+
+
+def _shm_in_dev(mnts: Sequence[dict[str, Any]]) -> tuple[int, int, int] | None:
+    """(MS_* flags, mode, size) of a /dev/shm tmpfs that can be a directory of the /dev
+    tmpfs (both tmpfs, /dev/shm with nothing but flags, mode and size), else None."""
+    by_dst = {m["destination"]: m for m in mnts}
+    dev, shm = by_dst.get("/dev"), by_dst.get("/dev/shm")
+    if not dev or not shm or dev["type"] != "tmpfs" or shm["type"] != "tmpfs":
+        return None
+    flags, data, _, _ = _flags(shm.get("options", []))
+    mode = 0o1777
+    for d in data:
+        if d.startswith("mode="):
+            mode = int(d[5:], 8)
+        elif not d.startswith("size="):
+            raise HostError(f"launch: /dev/shm option {d!r} is not supported")
+    return flags, mode, _size(shm.get("options", []))
+
+
 def _cgroup_steps(
-    dst: str, flags: int, hierarchies: Sequence[tuple[str, str]], v2: bool
+    dst: str,
+    flags: int,
+    hierarchies: Sequence[tuple[str, str]],
+    v2: bool,
+    tree: str | None = None,
 ) -> list[str]:
     """The guest's /sys/fs/cgroup, as crun mounts it: v2 one read-only cgroup2; v1 a
-    tmpfs with each hierarchy the sandbox has a cgroup in, read-only, then the tmpfs too."""
+    tmpfs with each hierarchy the sandbox has a cgroup in, read-only, then the tmpfs too.
+    With ``tree`` (v1) the tmpfs is a read-only bind of that node-wide directory instead."""
     ro = flags | _MS_RDONLY
     if v2:
         return [_sep("fs", "cgroup2", "cgroup", dst, f"{ro:x}", "")]
     base = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RELATIME
+    if tree is not None:
+        steps = [_sep("bind", tree, dst, f"{base | _MS_RDONLY:x}", "0")]
+        for name, opts in hierarchies:
+            steps.append(_sep("fs", "cgroup", "cgroup", f"{dst}/{name}", f"{ro:x}", opts))
+        return steps
     steps = [_sep("fs", "tmpfs", "cgroup", dst, f"{base:x}", "mode=755,size=1024k")]
     for name, opts in hierarchies:
         steps.append(_sep("fs", "cgroup", "cgroup", f"{dst}/{name}", f"{ro:x}", opts))
@@ -302,6 +356,8 @@ class Launcher:
         self._bpf: dict[str, tuple[bytes, int]] = {}
         self._bpf_by_id: dict[int, tuple[dict[str, Any], tuple[bytes, int]]] = {}
         self._template = -1
+        self._tree: Path | None = None
+        self._tree_names: set[str] = set()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
@@ -425,6 +481,22 @@ class Launcher:
             procs.append(d / "cgroup.procs")
         return procs, late
 
+    def use_cgroup_tree(self, tree: Path) -> None:
+        """Bind ``tree`` (a directory on a node-wide tmpfs, so its root in the guest's
+        mountinfo names no host path) read-only as every v1 sandbox's /sys/fs/cgroup,
+        instead of a tmpfs each; its subdirectories are made as hierarchies are used."""
+        tree.mkdir(mode=0o755, exist_ok=True)
+        self._tree, self._tree_names = tree, set()
+
+    def _tree_for(self, names: Sequence[tuple[str, str]]) -> str | None:
+        if self._tree is None or self.cgroups.mode == "v2":
+            return None
+        for name, _ in names:
+            if name not in self._tree_names:
+                (self._tree / name).mkdir(mode=0o555, exist_ok=True)
+                self._tree_names.add(name)
+        return str(self._tree)
+
     def cgroup_mounts(self, procs: Sequence[Path]) -> list[tuple[str, str]]:
         """(name under /sys/fs/cgroup, options) of each v1 hierarchy that ``procs`` (the
         sandbox's cgroup.procs files, ``<hierarchy>/<top>/<id>/cgroup.procs``) lie in."""
@@ -488,12 +560,14 @@ class Launcher:
         seccomp = config["linux"].get("seccomp")
         if seccomp:
             bpf, bpf_fd = self._bpf_fd(seccomp)
+        cg_mounts = self.cgroup_mounts([*cgroup_procs, *cpu_procs])
         p = plan(
             config,
             sandbox_id=sandbox_id,
             owner=owner,
             cgroup_procs=cgroup_procs,
-            cgroup_mounts=self.cgroup_mounts([*cgroup_procs, *cpu_procs]),
+            cgroup_mounts=cg_mounts,
+            cgroup_tree=self._tree_for(cg_mounts),
             cpu_procs=cpu_procs,
             cgroup_v2=self.cgroups.mode == "v2",
             bpf=bpf,

@@ -44,6 +44,7 @@
  *   bind:SRC:DST:FLAGS:REC  bind SRC (host path) onto DST, then remount with FLAGS
  *   rro:DST                 make DST and everything below read-only (mount_setattr)
  *   ln:TARGET:DST           symlink
+ *   dir:DST:MODE            a directory (octal MODE) on what is mounted there already
  *   mask:DST                hide DST (a directory: empty read-only tmpfs; else /dev/null)
  *   ro:DST                  bind DST onto itself read-only
  *   remount:DST:FLAGS       remount DST (a mount made before) with FLAGS
@@ -334,6 +335,20 @@ static void do_step(char *s)
 			remount_bind(p, fl);
 			close(fd);
 		}
+	} else if (!strcmp(f[0], "dir") && n == 3) {
+		/* A directory on a filesystem mounted before (/dev/shm on the /dev tmpfs). */
+		int fd = open_in_root(f[1], 1, 0);
+		struct stat st;
+		if (fd < 0 || fstat(fd, &st) < 0)
+			die(f[1]);
+		if (!S_ISDIR(st.st_mode)) {
+			errno = ENOTDIR;
+			die(f[1]);
+		}
+		fdpath(p, sizeof p, fd);
+		if (chmod(p, strtoul(f[2], NULL, 8)) < 0)
+			die(f[1]);
+		close(fd);
 	} else if (!strcmp(f[0], "rro") && n == 2) {
 		int fd = open_in_root(f[1], 0, 0);
 		struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY};
