@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from corral.backends.config import ContainerConfig
-from corral.policy.caps import GUEST_CAPS, cap_mask
 from corral.errors import PathRefused, SandboxNotFound
+from corral.policy.caps import GUEST_CAPS, cap_mask
 from corral.spec import ExecRequest, ExecResult, Limits, SandboxSpec
 from tests.conftest import TEST_RUN, TEST_STATE, TEST_SUBTREE
 from tests.integration.conftest import assert_no_leaks, node_config, open_node
