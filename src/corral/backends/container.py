@@ -747,8 +747,10 @@ class ContainerBackend:
         root = self.rootfs(sandbox_id)
 
         async def umount_root() -> None:
-            if isinstance(self.runtime, Launcher):
-                return  # its rootfs went with its mount namespace (no host mount)
+            if isinstance(self.runtime, Launcher) and not mounts.is_mountpoint(root):
+                # Its rootfs went with its mount namespace (no host mount; only a sandbox
+                # adopted from a node before that change has one).
+                return
             try:
                 mounts.umount(root)  # the usual case: nothing holds the overlay any more
             except HostError:
