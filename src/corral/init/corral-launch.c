@@ -80,6 +80,7 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -151,8 +152,8 @@ static int write_file(const char *path, const char *text)
 
 static int root_fd = -1;
 static int sync_sock = -1; /* the child's end of the socketpair with the launcher */
-/* With -t: per step, a detached clone of its bind source (or of /dev/null for a mask)
- * made in the node's mount namespace, and whether that source is a directory. */
+/* With -t: per step, a detached clone of its bind source made in the node's mount
+ * namespace, and whether that source is a directory. */
 static int *src_fd;
 static char *src_dir;
 static int cur_step;
@@ -381,13 +382,21 @@ static void do_step(char *s)
 			if (mount("tmpfs", p, "tmpfs", MS_RDONLY, "size=0k") < 0)
 				die(f[1]);
 		} else {
-			int sfd = src_fd ? src_fd[cur_step] : -1;
-			if (sfd >= 0) {
-				if (syscall(SYS_move_mount, sfd, "", fd, "",
-					    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+			if (src_fd) {
+				/* No host path here (-t): the sandbox's own /dev/null, the bind of
+				 * the host's made by an earlier step (checked: the null device). */
+				char q[64];
+				struct stat ns;
+				int nfd = open_in_root("/dev/null", 0, 0);
+				if (nfd < 0 || fstat(nfd, &ns) < 0 || !S_ISCHR(ns.st_mode) ||
+				    ns.st_rdev != makedev(1, 3)) {
+					errno = ENODEV;
+					die("/dev/null (a mask's source)");
+				}
+				fdpath(q, sizeof q, nfd);
+				if (mount(q, p, NULL, MS_BIND, NULL) < 0)
 					die(f[1]);
-				close(sfd);
-				src_fd[cur_step] = -1;
+				close(nfd);
 			} else if (mount("/dev/null", p, NULL, MS_BIND, NULL) < 0) {
 				die(f[1]);
 			}
@@ -566,7 +575,7 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 	if (src_fd)
 		for (int i = 0; i < pl->nsteps; i++)
 			if (src_fd[i] >= 0)
-				close(src_fd[i]); /* a mask that was a directory: its /dev/null unused */
+				close(src_fd[i]); /* not used (cannot happen: each bind takes its own) */
 	at("fds");
 	/* fd 3 (the control socket) is the only descriptor the init inherits beyond stdio. */
 	if (fcntl(3, F_SETFD, 0) < 0)
@@ -714,9 +723,9 @@ static int make_template(const char *dir)
 	return 0;
 }
 
-/* -t: a detached clone of every bind step's source (and of /dev/null for every mask step),
- * made here, in the node's mount namespace, where the host paths resolve; the child moves
- * them into place. Same sources, same resolution as a bind by path before. */
+/* -t: a detached clone of every bind step's source, made here, in the node's mount
+ * namespace, where the host paths resolve; the child moves them into place. Same sources,
+ * same resolution as a bind by path before. (Masks bind the sandbox's own /dev/null.) */
 static void prepare_sources(const struct plan *pl)
 {
 	at("sources");
@@ -735,8 +744,6 @@ static void prepare_sources(const struct plan *pl)
 		if (!strcmp(f[0], "bind") && n == 5) {
 			src = f[1];
 			rec = atoi(f[4]);
-		} else if (!strcmp(f[0], "mask") && n == 2) {
-			src = "/dev/null";
 		}
 		if (src) {
 			struct stat st;
