@@ -693,6 +693,7 @@ static void read_bpf(struct plan *pl)
  * its own; nothing of it reaches the node's namespace (it is private from the first call). */
 static int make_template(const char *dir)
 {
+	err_fd = 1; /* the node reads READY or ERR ... on our stdout */
 	at("template");
 	if (unshare(CLONE_NEWNS) < 0)
 		die("unshare(CLONE_NEWNS)");
