@@ -424,8 +424,12 @@ async def test_files_never_touch_an_unmounted_root(rnode: Node) -> None:
     if rnode.backend.runtime.name == "launch":
         # No host mount: the root is reached through the init, which destroy kills first.
         os.kill(info.pid, signal.SIGKILL)
-        while rnode.backend.alive(info.id):
-            await asyncio.sleep(0.01)  # readiness: the init is exiting or gone
+        while True:  # readiness: the init's root is gone (its exit let go of it)
+            try:
+                os.close(rnode.backend.runtime.open_root(info.id))
+            except CorralError:
+                break
+            await asyncio.sleep(0.01)
         # Not available (the node's reaper may be destroying it already: not found).
         with pytest.raises(CorralError, match="not available|destroyed|not found"):
             await rnode.file_write(info.id, "/tmp/b", b"must not land on the host disk")
