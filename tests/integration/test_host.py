@@ -202,6 +202,43 @@ def test_erofs_loop_fallback(root: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert loop.backed_by(root) == {}  # autoclear freed it with the unmount
 
 
+def test_overlay_fd_is_a_detached_mount(root: Path, scratch: Scratch) -> None:
+    """mounts.overlay_fd: the overlay works through its fd, appears in no mount table of
+    ours, and is gone (its upper's subvolume deletable) once the fd is closed."""
+    img = make_layer(root, "one", {"etc/os": "one\n"})
+    img2 = make_layer(root, "two", {"etc/two": "2\n"})
+    lowers = []
+    for name, im in (("one", img), ("two", img2)):
+        raw = root / "raw" / name
+        raw.mkdir(parents=True)
+        mounts.mount_erofs(im, raw)
+        lowers.append(raw)
+    sub = scratch.create_subvol("ovl-fd", quota=None)
+    try:
+        (sub / "upper").mkdir()
+        (sub / "work").mkdir()
+        before = Path("/proc/self/mountinfo").read_text().count(" - overlay ")
+        fd = mounts.overlay_fd(lowers, sub / "upper", sub / "work")
+        try:
+            assert Path("/proc/self/mountinfo").read_text().count(" - overlay ") == before
+            etc = os.open("etc", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            try:
+                assert sorted(os.listdir(etc)) == ["os", "two"]
+                w = os.open("new", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=etc)
+                os.write(w, b"x")
+                os.close(w)
+            finally:
+                os.close(etc)
+            assert (sub / "upper" / "etc" / "new").read_bytes() == b"x"
+        finally:
+            os.close(fd)
+    finally:
+        for p in mounts.mounts_under(root):
+            mounts.umount(p)
+        scratch.delete_subvol("ovl-fd")
+    assert "ovl-fd" not in scratch.subvols()
+
+
 def test_overlay_two_idmapped_lowers_upper_in_subvol(
     root: Path, userns: UserNamespace, scratch: Scratch
 ) -> None:

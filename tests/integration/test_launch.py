@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from corral.backends.config import ContainerConfig
+from corral.errors import PathRefused, SandboxNotFound
 from corral.policy.caps import GUEST_CAPS, cap_mask
 from corral.spec import ExecRequest, ExecResult, Limits, SandboxSpec
 from tests.conftest import TEST_RUN, TEST_STATE, TEST_SUBTREE
@@ -183,12 +184,13 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     async with sandbox(rt_node) as sid:
         text = (await sh(rt_node, sid, "cat /proc/self/mountinfo")).stdout.decode()
     points = {ln.split()[4] for ln in text.splitlines()}
+    launch = rt_node.backends.get("container").runtime.name == "launch"
     for p in (
         "/",
         "/proc",
         "/dev",
         "/dev/pts",
-        "/dev/shm",
+        *(() if launch else ("/dev/shm",)),  # the launcher: a directory of /dev
         "/dev/mqueue",
         "/sys",
         "/sys/fs/cgroup",
@@ -205,6 +207,87 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     assert "nodev" in root.split()[5]
     init = next(ln for ln in text.splitlines() if ln.split()[4] == "/.corral/init")
     assert set(init.split()[5].split(",")) >= {"ro", "nosuid", "nodev"}
+
+
+async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher: the rootfs overlay is attached in the sandbox's own mount namespace only
+    (the host's table, which every new mount namespace copies, does not grow per sandbox),
+    and that namespace holds nothing of the template it was copied from. The files API
+    reaches the root through the init (works, refuses the guest's own mounts)."""
+    backend = rt_node.backends.get("container")
+    if backend.runtime.name != "launch":
+        pytest.skip("an OCI runtime is given the rootfs as a host path")
+    async with sandbox(rt_node) as sid:
+        pid = backend.init_pid(sid)
+        host = Path("/proc/self/mountinfo").read_text().splitlines()
+        theirs = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        (root,) = [ln for ln in theirs if ln.split()[4] == "/"]
+        assert ln_fstype(root) == "overlay", root
+        # Mount ids are unique across namespaces; the superblock's device too.
+        assert root.split()[0] not in {ln.split()[0] for ln in host}
+        assert root.split()[2] not in {ln.split()[2] for ln in host}
+        assert sid not in "\n".join(host)
+        # Nothing of the template (its tmpfs, proc, sysfs) is left in the sandbox's.
+        assert not any("corral-template" in ln for ln in theirs), theirs
+        assert sum(ln_fstype(ln) == "sysfs" for ln in theirs) == 1, theirs
+        await rt_node.file_write(sid, "/work/a.txt", b"hi")
+        assert (await sh(rt_node, sid, "cat /work/a.txt")).stdout == b"hi"
+        assert await rt_node.file_read(sid, "/work/a.txt") == b"hi"
+        with pytest.raises(PathRefused):
+            await rt_node.file_read(sid, "/proc/1/environ")
+    with pytest.raises(SandboxNotFound):
+        await rt_node.file_read(sid, "/work/a.txt")
+
+
+def ln_fstype(line: str) -> str:
+    return line.split(" - ")[1].split()[0]
+
+
+async def test_fewer_superblocks_same_properties(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher: /dev/shm is a directory of the /dev tmpfs (sticky, world-writable; /dev
+    is nosuid, nodev, noexec as /dev/shm was, and holds both sizes), and /sys/fs/cgroup a
+    read-only bind of one node-wide tree: 6 superblocks per sandbox, not 8. Each still
+    refuses what it refused: no write to /sys/fs/cgroup, no exec or device from /dev/shm,
+    shm_open-style files work and count against the sandbox's memory."""
+    if rt_node.backends.get("container").runtime.name != "launch":
+        pytest.skip("crun mounts what the config says")
+    async with sandbox(rt_node) as sid:
+        pid = rt_node.backends.get("container").init_pid(sid)
+        info = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        r = await sh(
+            rt_node,
+            sid,
+            "stat -c '%a %U' /dev/shm; echo x > /dev/shm/f && cat /dev/shm/f; "
+            "cp /bin/busybox /dev/shm/bb && /dev/shm/bb true && echo SHM-EXEC; "
+            "mknod /dev/shm/n c 1 3 2>/dev/null && echo MKNOD; "
+            "mkdir /sys/fs/cgroup/x 2>/dev/null && echo CGROUP-WRITABLE; "
+            "touch /sys/fs/cgroup/memory/x 2>/dev/null && echo MEMCG-WRITABLE; "
+            "ls /sys/fs/cgroup; cat /sys/fs/cgroup/memory/memory.limit_in_bytes; "
+            "dd if=/dev/zero of=/dev/shm/big bs=1M count=70 2>&1 | grep -o 'No space left' | head -1",
+        )
+    out = r.stdout.decode()
+    points = {ln.split()[4]: ln for ln in info}
+    assert "/dev/shm" not in points
+    dev = points["/dev"]
+    assert {"nosuid", "nodev", "noexec"} <= set(dev.split()[5].split(",")), dev
+    cg = points["/sys/fs/cgroup"]
+    assert ln_fstype(cg) == "tmpfs" and cg.split()[3] == "/cgroup", cg  # the init tmpfs
+    assert "ro" in cg.split()[5].split(","), cg
+    supers = {ln.split()[2] for ln in info if ln_fstype(ln) not in ("cgroup", "cgroup2")}
+    kinds = sorted(
+        ln_fstype(ln)
+        for ln in info
+        if ln.split()[3] == "/" and ln_fstype(ln) not in ("cgroup", "cgroup2", "devtmpfs")
+    )
+    assert kinds == ["devpts", "mqueue", "overlay", "proc", "sysfs", "tmpfs"], (kinds, supers)
+    lines = out.splitlines()
+    assert lines[0] == "1777 root", out
+    assert lines[1] == "x", out
+    for bad in ("SHM-EXEC", "MKNOD", "CGROUP-WRITABLE", "MEMCG-WRITABLE"):
+        assert bad not in out, out
+    assert "memory" in out and str(Limits().memory) in out, out
+    # 64 MiB of /dev/shm as before (+ /dev's own 64 KiB): 70 MiB do not fit.
+    assert "No space left" in out, out
 
 
 async def test_masked_dirs_are_binds_of_the_empty_init_dir(rt_node) -> None:  # type: ignore[no-untyped-def]
@@ -381,7 +464,9 @@ async def test_seccomp_filter_is_cruns(images_ready) -> None:  # type: ignore[no
 
 
 FAULTS = [
+    "sources",
     "cgroups",
+    "template",
     "clone",
     "id maps",
     "become root",

@@ -30,6 +30,7 @@ from corral.backends.files import SandboxFS
 from corral.errors import (
     Conflict,
     CorralError,
+    HostError,
     InvalidRequest,
     NotFound,
     PathRefused,
@@ -804,3 +805,35 @@ def test_full_disk_is_its_own_error_kind(
     # the kind crosses the wire and comes back as itself
     back = error_from_wire(ei.value.to_wire(), ei.value.status)
     assert type(back) is kind and back.message == ei.value.message
+
+
+def test_open_root_callback_is_the_root(tmp_path: Path) -> None:
+    """``open_root`` (a launched sandbox: its init's /proc/<pid>/root) replaces the path:
+    each operation opens the root anew and closes it; its HostError (the sandbox is gone)
+    reaches the caller, and nothing is written to the named path."""
+    real = tmp_path / "real"
+    real.mkdir()
+    named = tmp_path / "named"
+    named.mkdir()
+    opened: list[int] = []
+
+    def open_root() -> int:
+        if not real.exists():
+            raise HostError("the sandbox's root filesystem is not available")
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        opened.append(fd)
+        return fd
+
+    fs = SandboxFS(named, uid=os.getuid(), gid=os.getgid(), open_root=open_root)
+    before = len(os.listdir("/proc/self/fd"))
+    fs.write("/a/b.txt", b"hi")
+    assert (real / "a" / "b.txt").read_bytes() == b"hi"
+    assert fs.read("/a/b.txt") == b"hi"
+    assert list(named.iterdir()) == []
+    assert len(opened) == 2 and len(os.listdir("/proc/self/fd")) == before  # each closed
+    (real / "a" / "b.txt").unlink()
+    (real / "a").rmdir()
+    real.rmdir()
+    with pytest.raises(HostError, match="not available"):
+        fs.write("/c", b"x")
+    assert list(named.iterdir()) == []

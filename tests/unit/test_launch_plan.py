@@ -48,7 +48,7 @@ def _opts(args: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     it = iter(args[: args.index("--")])
     for a in it:
-        out.setdefault(a, []).append("" if a == "-N" else next(it))
+        out.setdefault(a, []).append("" if a in ("-N", "-t") else next(it))
     return out
 
 
@@ -80,6 +80,39 @@ def test_steps_follow_the_config() -> None:
     i = kinds.index("cgns")
     assert kinds[i + 1 : kinds.index("pivot")] == ["fs", "fs", "fs", "remount"]
     assert ["ln", "pts/ptmx", "/dev/ptmx"] in steps
+
+
+def test_rootfs_by_fd_starts_from_the_template() -> None:
+    """The rootfs as a detached mount (fd 6) goes with the template namespace (-t); the
+    config's host path is not used."""
+    args = _plan(_config(), rootfs_fd=True)
+    assert "-t" in _opts(args)
+    assert args[args.index("--") + 1] == "root\t-"
+    assert "/srv/sb/rootfs" not in args
+
+
+def test_dev_shm_is_a_directory_of_dev() -> None:
+    """One tmpfs for /dev and /dev/shm: both sizes, the union of both flag sets (nosuid,
+    nodev, noexec), and /dev/shm a sticky world-writable directory on it."""
+    steps = [s.split("\t") for s in _plan(_config())]
+    dev = next(s for s in steps if s[0] == "fs" and s[3] == "/dev")
+    assert int(dev[4], 16) & 0xE == 0xE  # nosuid nodev noexec
+    assert "size=67174400" in dev[5].split(",")  # 64 KiB + 64 MiB
+    assert ["dir", "/dev/shm", "1777"] in steps
+    assert not any(s[0] == "fs" and s[3] == "/dev/shm" for s in steps)
+
+
+def test_cgroup_tree_is_bound_read_only() -> None:
+    """v1 with a node-wide tree: a read-only bind instead of a tmpfs (and no remount)."""
+    args = _plan(_config(), cgroup_tree="/run/initfs/cgroup")
+    steps = [s.split("\t") for s in args[args.index("--") + 1 :]]
+    kinds = [s[0] for s in steps]
+    i = kinds.index("cgns")
+    assert kinds[i + 1 : kinds.index("pivot")] == ["bind", "fs", "fs"]
+    bind = steps[i + 1]
+    assert bind[1:3] == ["/run/initfs/cgroup", "/sys/fs/cgroup"] and int(bind[3], 16) & 0xF == 0xF
+    assert [s[3] for s in steps[i + 2 : i + 4]] == ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup/memory"]
+    assert not any(s[0] == "fs" and s[1] == "tmpfs" and s[3] == "/sys/fs/cgroup" for s in steps)
 
 
 def test_joined_network_binds_sys_read_only() -> None:

@@ -4,7 +4,8 @@ Create, in order (each step undone if a later one fails):
   1. the sandbox dir: a btrfs subvolume with the disk quota (it holds the overlay upper
      and work dirs, the rootfs mountpoint, the bundle and the control socket),
   2. acquire each image layer's node-wide mount (idmapped to the sandbox uid range),
-  3. overlay rootfs = layers (lowers) + upper,
+  3. overlay rootfs = layers (lowers) + upper (for corral's launcher a detached mount,
+     attached only in the sandbox's own mount namespace: never in the host's table),
   4. a listening control socket in the sandbox dir (host side only; the guest never sees it),
   5. config.json, then ``runc run --detach --preserve-fds 1`` with that socket as fd 3.
 No process of ours stays per sandbox: runc exits, the init lives on in the container.
@@ -64,6 +65,7 @@ __all__ = ["ContainerBackend", "remove_sandbox_dir"]
 
 log = logging.getLogger("corral.backends.container")
 
+_PF_EXITING = 0x4  # include/linux/sched.h: /proc/<pid>/stat field 9
 _KEEP = ("upper", "work", "rootfs")  # what a fork base keeps of a sandbox dir
 _MIN_SCRATCH_ROOM = 8 << 20
 """Free scratch space below which a create is refused: a sandbox that starts with no room
@@ -113,6 +115,9 @@ class ContainerBackend:
         opened: list[Callable[[], object]] = [self.runtime.close]
         try:
             self.init_path = await asyncio.to_thread(self._install_init)
+            if isinstance(self.runtime, Launcher):
+                # On the init's tmpfs: one read-only /sys/fs/cgroup tree for every sandbox.
+                self.runtime.use_cgroup_tree(self.init_path.parent / "cgroup")
             self.userns = UserNamespace.create(ctx.host_uid, ctx.id_count)
             opened.append(self.userns.close)
             resolve: Callable[[str], Path] = ctx.store.path_of
@@ -254,12 +259,22 @@ class ContainerBackend:
     def files(self, sandbox_id: str) -> SandboxFS:
         f = self._fs.get(sandbox_id)
         if f is None:
-            f = self._fs[sandbox_id] = SandboxFS(
-                self.rootfs(sandbox_id),
-                uid=self.host_uid,
-                gid=self.host_uid,
-                require_mount=True,
-            )
+            if isinstance(self.runtime, Launcher):
+                # No host mount of the rootfs: the init's root, as the guest sees it.
+                f = SandboxFS(
+                    self.rootfs(sandbox_id),
+                    uid=self.host_uid,
+                    gid=self.host_uid,
+                    open_root=functools.partial(self.runtime.open_root, sandbox_id),
+                )
+            else:
+                f = SandboxFS(
+                    self.rootfs(sandbox_id),
+                    uid=self.host_uid,
+                    gid=self.host_uid,
+                    require_mount=True,
+                )
+            self._fs[sandbox_id] = f
         return f
 
     def meters(self, sandbox_id: str) -> Meters:
@@ -355,9 +370,19 @@ class ContainerBackend:
                 os.chown(upper, self.host_uid, self.host_uid)
 
             root = self.rootfs(sandbox_id)
-            root.mkdir(exist_ok=base is not None)
-            mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
-            undo.append(lambda: mounts.umount(root, detach=True))
+            root_mnt = _OwnedFd()
+            if isinstance(self.runtime, Launcher):
+                # A detached mount: the launcher attaches it in the sandbox's own mount
+                # namespace only; the host's mount table never holds it (design notes,
+                # "Density"). Our fd goes once the launch is over (_launch).
+                root_mnt.fd = mounts.overlay_fd(
+                    list(reversed(lowers)), upper, work, what=f"{sandbox_id} rootfs"
+                )
+                undo.append(root_mnt.close)
+            else:
+                root.mkdir(exist_ok=base is not None)
+                mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
+                undo.append(lambda: mounts.umount(root, detach=True))
 
         userns = None
         if self.owners is not None:
@@ -375,7 +400,7 @@ class ContainerBackend:
             lsock.listen(64)
             if isinstance(self.runtime, Launcher):
                 return await self._launch(
-                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency
+                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency, root_mnt
                 )
             config = self._config(
                 sandbox_id,
@@ -409,6 +434,9 @@ class ContainerBackend:
             # The init holds its own copy of the listening socket now; ours must go so that
             # the socket dies with the sandbox.
             lsock.close()
+            # Ours, not state to undo: the launcher attached it in the sandbox's namespace
+            # (or failed, and then the overlay must go with the launcher's copy).
+            root_mnt.close()
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
@@ -446,9 +474,11 @@ class ContainerBackend:
         root: Path,
         userns: SandboxUserns | None,
         latency: bool,
+        root_mnt: _OwnedFd,
     ) -> int:
         """The rest of a create with corral's launcher (:mod:`corral.host.launch`): the
-        same OCI config, executed without a runtime; no bundle is written."""
+        same OCI config, executed without a runtime; no bundle is written. ``root_mnt``:
+        the detached rootfs overlay, closed here once the launcher has it."""
         assert isinstance(self.runtime, Launcher)
         launcher = self.runtime
         config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
@@ -470,8 +500,10 @@ class ContainerBackend:
                 owner=0 if userns is None else userns.owner,
                 cgroup_procs=procs,
                 cpu_procs=cpu_procs,
+                rootfs_fd=root_mnt.fd,
             )
         lsock.close()  # the init holds its own copy now
+        root_mnt.close()  # attached in the sandbox's namespace: it lives as long as that
         return await self._after_start(sandbox_id, spec, pid, phases)
 
     def _config(
@@ -563,12 +595,15 @@ class ContainerBackend:
             return False
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+                fields = f.read().rsplit(b")", 1)[1].split()
+            state, flags = fields[0], int(fields[6])
+        except (OSError, IndexError, ValueError):
             return False
         # A killed init stays a zombie until the host's init reaps it (seen: 1.7 s here);
-        # it serves nothing any more.
-        return state not in (b"Z", b"X")
+        # it serves nothing any more. Before that it is exiting (PF_EXITING) while the
+        # kernel kills the rest of its pid namespace, and the last of those tears down the
+        # sandbox's mount namespace, its rootfs overlay with it (a sync of the upper).
+        return state not in (b"Z", b"X") and not flags & _PF_EXITING
 
     async def kill_all(self, sandbox_id: str, wait: float = 5.0) -> bool:
         """SIGKILL the init (the kernel then kills its whole pid namespace) and wait until no
@@ -616,7 +651,10 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
-        ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
+        if isinstance(self.runtime, Launcher):
+            ok = self.alive(sandbox_id)  # its rootfs lives in its own mount namespace
+        else:
+            ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
         pid = self.init_pid(sandbox_id)
         if not ok or not pid:
             return None
@@ -710,6 +748,10 @@ class ContainerBackend:
         root = self.rootfs(sandbox_id)
 
         async def umount_root() -> None:
+            if isinstance(self.runtime, Launcher) and not mounts.is_mountpoint(root):
+                # Its rootfs went with its mount namespace (no host mount; only a sandbox
+                # adopted from a node before that change has one).
+                return
             try:
                 mounts.umount(root)  # the usual case: nothing holds the overlay any more
             except HostError:
@@ -848,6 +890,18 @@ async def _readable(fd: int, timeout: float) -> None:
         pass
     finally:
         loop.remove_reader(fd)
+
+
+class _OwnedFd:
+    """An fd closed at most once (by the create's undo or its success, whichever first)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def remove_sandbox_dir(d: Path) -> None:

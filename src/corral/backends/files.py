@@ -320,13 +320,20 @@ class SandboxFS:
         *,
         no_xdev: bool = True,
         require_mount: bool = False,
+        open_root: Callable[[], int] | None = None,
     ) -> None:
         """``no_xdev``: refuse to cross mount points below the root (host-side bind mounts
         are not guest content); turn off only if the node mounts volumes into roots.
         ``require_mount``: the root must be a filesystem of its own (a sandbox's overlay);
         once it is unmounted (a destroy in progress) every operation fails instead of
-        touching the bare directory on the node's disk."""
+        touching the bare directory on the node's disk. ``open_root``: returns a new
+        directory fd of the root (closed by the caller) instead of opening ``root`` (then
+        only named in messages): a sandbox whose rootfs is mounted in its own mount
+        namespace only is reached through its init's ``/proc/<pid>/root``, raising
+        HostError once it is gone. Mounts inside it (its /proc, /dev, tmpfs) are then
+        below the root and refused like any other with ``no_xdev``."""
         self.root = Path(root)
+        self._open_root = open_root
         self.require_mount = require_mount
         self.uid, self.gid, self.max_file = uid, gid, max_file
         xdev = RESOLVE_NO_XDEV if no_xdev else 0
@@ -546,6 +553,10 @@ class SandboxFS:
 
     @contextmanager
     def _root(self) -> Iterator[int]:
+        if self._open_root is not None:
+            with _fd(self._open_root()) as fd:
+                yield fd
+            return
         # The root path is the node's own (trusted) host path, so a plain open is right.
         try:
             fd = os.open(self.root, _DIR | os.O_CLOEXEC)

@@ -44,7 +44,7 @@ def install(mountpoint: Path, binary: Path) -> Path:
         if not mounts.is_mountpoint(mountpoint):
             # Traversable by every sandbox's mapped root (the runtime binds the file from
             # inside the user namespace); nothing on it is a device or setuid.
-            data = f"size={size + _SLACK},mode=0755,nr_inodes=16"
+            data = f"size={size + _SLACK},mode=0755,nr_inodes=32"
             # Safe: a new, private tmpfs on corral's own (empty) directory.
             _sys.mount(NAME, mountpoint, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, data)
         empty = mountpoint / EMPTY

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,8 @@ def plan(
     cgroup_v2: bool,
     cpu_procs: Sequence[Path] = (),
     bpf: bytes | None = None,
+    rootfs_fd: bool = False,
+    cgroup_tree: str | None = None,
 ) -> Plan:
     """The launcher's instructions for ``config`` (see the module docstring).
 
@@ -168,7 +171,16 @@ def plan(
     ``cgroup_mounts``: (name under /sys/fs/cgroup, mount options) of each v1 hierarchy the
     sandbox has a cgroup of its own in: only those are mounted in the guest (a hierarchy
     where it has none would show the node's cgroup). ``bpf``: the compiled seccomp filter
-    if the caller has it cached (else it is compiled here).
+    if the caller has it cached (else it is compiled here). ``rootfs_fd``: the rootfs is a
+    detached mount the launcher gets on fd 6 and the mount namespace to start from the
+    node's template on fd 7 (option ``-t``; see :meth:`Launcher.start`); the config's root
+    path is then not used. ``cgroup_tree``: (v1) a host directory holding an empty
+    directory per name of ``cgroup_mounts``, bound read-only as /sys/fs/cgroup instead of
+    a tmpfs per sandbox (one superblock less each; see :meth:`Launcher.cgroup_tree`).
+
+    A tmpfs at /dev/shm beside the /dev tmpfs becomes a directory of /dev (one superblock
+    less per sandbox): /dev takes both sizes and both mounts' flags (the stricter union,
+    so /dev/shm stays nosuid, nodev, noexec; /dev holds only binds and links).
     """
     proc, linux = config["process"], config["linux"]
     if proc.get("terminal") or proc.get("user", {}) != {"uid": 0, "gid": 0}:
@@ -226,19 +238,28 @@ def plan(
         if seccomp.get("listenerPath"):
             args += ["-l", _sep(seccomp["listenerPath"], sandbox_id)]
 
-    steps = [_sep("root", config["root"]["path"])]
+    if rootfs_fd:
+        args.append("-t")
+    steps = [_sep("root", "-" if rootfs_fd else config["root"]["path"])]
     cg_steps = ["cgns"]
     has_dev = False
+    shm = _shm_in_dev(config["mounts"])
     for mnt in config["mounts"]:
         dst, typ, src = mnt["destination"], mnt["type"], mnt.get("source", "")
         flags, data, rec, rro = _flags(mnt.get("options", []))
-        if typ == "bind":
+        if shm is not None and dst == "/dev":
+            flags |= shm[0]
+            data = [d for d in data if not d.startswith("size=")]
+            data.append(f"size={_size(mnt['options']) + shm[2]}")
+        if shm is not None and dst == "/dev/shm":
+            steps.append(_sep("dir", dst, f"{shm[1]:o}"))
+        elif typ == "bind":
             steps.append(_sep("bind", src, dst, f"{flags:x}", "1" if rec else "0"))
             if rro:
                 steps.append(_sep("rro", dst))
         elif typ == "cgroup":
             # After the cgroup namespace exists (see corral-launch.c, step cgns).
-            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2)
+            cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2, cgroup_tree)
         else:
             steps.append(_sep("fs", typ, src, dst, f"{flags:x}", ",".join(data)))
         has_dev = has_dev or dst == "/dev"
@@ -262,15 +283,55 @@ def plan(
     return out
 
 
+def _size(options: Sequence[str]) -> int:
+    """A tmpfs ``size=`` option in bytes (k, m, g suffixes; no %)."""
+    for o in options:
+        if o.startswith("size="):
+            v = o[5:].lower()
+            mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1:], 1)
+            try:
+                return int(v.rstrip("kmg")) * mult
+            except ValueError:
+                break
+    raise HostError(f"launch: a tmpfs needs a size=N[kmg] option ({list(options)})")
+
+
+def _shm_in_dev(mnts: Sequence[dict[str, Any]]) -> tuple[int, int, int] | None:
+    """(MS_* flags, mode, size) of a /dev/shm tmpfs that can be a directory of the /dev
+    tmpfs (both tmpfs, /dev/shm with nothing but flags, mode and size), else None."""
+    by_dst = {m["destination"]: m for m in mnts}
+    dev, shm = by_dst.get("/dev"), by_dst.get("/dev/shm")
+    if not dev or not shm or dev["type"] != "tmpfs" or shm["type"] != "tmpfs":
+        return None
+    flags, data, _, _ = _flags(shm.get("options", []))
+    mode = 0o1777
+    for d in data:
+        if d.startswith("mode="):
+            mode = int(d[5:], 8)
+        elif not d.startswith("size="):
+            raise HostError(f"launch: /dev/shm option {d!r} is not supported")
+    return flags, mode, _size(shm.get("options", []))
+
+
 def _cgroup_steps(
-    dst: str, flags: int, hierarchies: Sequence[tuple[str, str]], v2: bool
+    dst: str,
+    flags: int,
+    hierarchies: Sequence[tuple[str, str]],
+    v2: bool,
+    tree: str | None = None,
 ) -> list[str]:
     """The guest's /sys/fs/cgroup, as crun mounts it: v2 one read-only cgroup2; v1 a
-    tmpfs with each hierarchy the sandbox has a cgroup in, read-only, then the tmpfs too."""
+    tmpfs with each hierarchy the sandbox has a cgroup in, read-only, then the tmpfs too.
+    With ``tree`` (v1) the tmpfs is a read-only bind of that node-wide directory instead."""
     ro = flags | _MS_RDONLY
     if v2:
         return [_sep("fs", "cgroup2", "cgroup", dst, f"{ro:x}", "")]
     base = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RELATIME
+    if tree is not None:
+        steps = [_sep("bind", tree, dst, f"{base | _MS_RDONLY:x}", "0")]
+        for name, opts in hierarchies:
+            steps.append(_sep("fs", "cgroup", "cgroup", f"{dst}/{name}", f"{ro:x}", opts))
+        return steps
     steps = [_sep("fs", "tmpfs", "cgroup", dst, f"{base:x}", "mode=755,size=1024k")]
     for name, opts in hierarchies:
         steps.append(_sep("fs", "cgroup", "cgroup", f"{dst}/{name}", f"{ro:x}", opts))
@@ -294,6 +355,9 @@ class Launcher:
         self.cgroups = cgroups
         self._bpf: dict[str, tuple[bytes, int]] = {}
         self._bpf_by_id: dict[int, tuple[dict[str, Any], tuple[bytes, int]]] = {}
+        self._template = -1
+        self._tree: Path | None = None
+        self._tree_names: set[str] = set()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
@@ -309,9 +373,47 @@ class Launcher:
         why = supported()
         if why is not None:
             raise HostError(f"corral-launch cannot run here: {why}")
-        return cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+        ln = cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+        ln.template()  # at start: a host where it cannot be made fails here, not per create
+        return ln
+
+    def template(self) -> int:
+        """An fd of the node's template mount namespace, made on first use (see
+        corral-launch.c, ``-T``): a sandbox's mount namespace is a copy of it (3 mounts)
+        instead of the node's (every mount on the host, so a create got slower with every
+        sandbox alive while rootfs overlays were mounted there). It lives while the fd is
+        open; a restarted node makes a new one (sandboxes keep their own copies)."""
+        if self._template >= 0:
+            return self._template
+        # A directory that exists: the tmpfs is mounted over it in the template's namespace
+        # only (private from its first call), never in the node's.
+        cmd = [self.binary, "-T", str(self.root)]
+        # Safe: corral's own launcher, making a private mount namespace of its own.
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(),
+            close_fds=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            ready = proc.stdout.readline()
+            if ready != b"READY\n":
+                why = (ready + proc.stdout.read()).decode(errors="replace").strip()
+                raise HostError(f"corral-launch: the template mount namespace: {why}")
+            self._template = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            proc.stdin.close()
+            proc.stdout.close()
+            proc.wait()
+        return self._template
 
     def close(self) -> None:
+        if self._template >= 0:
+            os.close(self._template)
+            self._template = -1
         for _, fd in self._bpf.values():
             os.close(fd)
         self._bpf.clear()
@@ -379,6 +481,22 @@ class Launcher:
             procs.append(d / "cgroup.procs")
         return procs, late
 
+    def use_cgroup_tree(self, tree: Path) -> None:
+        """Bind ``tree`` (a directory on a node-wide tmpfs, so its root in the guest's
+        mountinfo names no host path) read-only as every v1 sandbox's /sys/fs/cgroup,
+        instead of a tmpfs each; its subdirectories are made as hierarchies are used."""
+        tree.mkdir(mode=0o755, exist_ok=True)
+        self._tree, self._tree_names = tree, set()
+
+    def _tree_for(self, names: Sequence[tuple[str, str]]) -> str | None:
+        if self._tree is None or self.cgroups.mode == "v2":
+            return None
+        for name, _ in names:
+            if name not in self._tree_names:
+                (self._tree / name).mkdir(mode=0o555, exist_ok=True)
+                self._tree_names.add(name)
+        return str(self._tree)
+
     def cgroup_mounts(self, procs: Sequence[Path]) -> list[tuple[str, str]]:
         """(name under /sys/fs/cgroup, options) of each v1 hierarchy that ``procs`` (the
         sandbox's cgroup.procs files, ``<hierarchy>/<top>/<id>/cgroup.procs``) lie in."""
@@ -425,8 +543,14 @@ class Launcher:
         owner: int,
         cgroup_procs: Sequence[Path],
         cpu_procs: Sequence[Path] = (),
+        rootfs_fd: int = -1,
     ) -> int:
         """Start the sandbox; returns its init's host pid once the init runs (exec'd).
+
+        ``rootfs_fd``: the sandbox's rootfs as a detached mount (:func:`mounts.overlay_fd`):
+        the launcher attaches it in the sandbox's own mount namespace, made from the
+        template (:meth:`template`), so it never appears in the host's; the caller closes
+        its fd afterwards. Else the config's root path (a host mount) is bound.
 
         HostError with the launcher's one-line report (which step, which errno) on
         failure; the caller's undo removes the cgroup (and with it anything the launcher
@@ -436,16 +560,20 @@ class Launcher:
         seccomp = config["linux"].get("seccomp")
         if seccomp:
             bpf, bpf_fd = self._bpf_fd(seccomp)
+        cg_mounts = self.cgroup_mounts([*cgroup_procs, *cpu_procs])
         p = plan(
             config,
             sandbox_id=sandbox_id,
             owner=owner,
             cgroup_procs=cgroup_procs,
-            cgroup_mounts=self.cgroup_mounts([*cgroup_procs, *cpu_procs]),
+            cgroup_mounts=cg_mounts,
+            cgroup_tree=self._tree_for(cg_mounts),
             cpu_procs=cpu_procs,
             cgroup_v2=self.cgroups.mode == "v2",
             bpf=bpf,
+            rootfs_fd=rootfs_fd >= 0,
         )
+        template = self.template() if rootfs_fd >= 0 else -1
         argv = [self.binary]
         fault = os.environ.get(FAULT_ENV)
         if fault:
@@ -453,7 +581,7 @@ class Launcher:
         argv += p.args
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd)
+            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
         except BaseException:
             os.close(rep_r)
             os.close(rep_w)
@@ -497,6 +625,26 @@ class Launcher:
             return None
         pid = int(pid_s)
         return pid if _start_time(pid) == start else None
+
+    def open_root(self, sandbox_id: str) -> int:
+        """A directory fd of the sandbox's root as its init sees it (``/proc/<pid>/root``):
+        its rootfs is mounted in its own mount namespace only. Works after a node restart
+        (nothing is held). The pid is checked against the record before and after the
+        open, so the fd is never another process's root (a reused pid has another start
+        time). HostError once the sandbox is gone."""
+        pid = self.init_pid(sandbox_id)
+        if pid is None:
+            raise HostError("the sandbox's root filesystem is not available (no init)")
+        try:
+            # Safe: host root opening the root of corral's own sandbox init, to resolve
+            # guest paths in it with openat2(RESOLVE_IN_ROOT) (backends/files.py).
+            fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise HostError("the sandbox's root filesystem is not available") from None
+        if self.init_pid(sandbox_id) != pid:
+            os.close(fd)
+            raise HostError("the sandbox's root filesystem is not available (init gone)")
+        return fd
 
     async def list(self) -> list[dict[str, Any]]:
         """Every sandbox with a record (what gc compares with the live ones)."""
@@ -544,23 +692,32 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _spawn(argv: list[str], ctl_fd: int, report_fd: int, bpf_fd: int) -> int:
+def _spawn(
+    argv: list[str],
+    ctl_fd: int,
+    report_fd: int,
+    bpf_fd: int,
+    rootfs_fd: int = -1,
+    template_fd: int = -1,
+) -> int:
     """posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
-    4 (report pipe), 5 (BPF program) and stdio on /dev/null."""
+    4 (report pipe), 5 (BPF program), 6 (the rootfs mount), 7 (the template mount
+    namespace) and stdio on /dev/null."""
     dups: list[int] = []
+    srcs = (ctl_fd, report_fd, bpf_fd, rootfs_fd, template_fd)
     try:
         # Above 9, so the dup2s below never have source == target (which would keep CLOEXEC).
-        for fd in (ctl_fd, report_fd, bpf_fd):
+        for fd in srcs:
             dups.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) if fd >= 0 else -1)
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
         ]
-        for target, src in zip((3, 4, 5), dups, strict=True):
+        for target, src in zip((3, 4, 5, 6, 7), dups, strict=True):
             if src >= 0:
                 actions.append((os.POSIX_SPAWN_DUP2, src, target))
-        # Safe: runs corral's own launcher with the sandbox's plan; only fds 0-5 cross.
+        # Safe: runs corral's own launcher with the sandbox's plan; only fds 0-7 cross.
         return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
     finally:
         for d in dups:

@@ -28,6 +28,7 @@ __all__ = [
     "mount_erofs",
     "mount_idmapped",
     "mount_overlay",
+    "overlay_fd",
     "mount_bind",
     "mount_tmpfs",
     "make_private",
@@ -159,12 +160,46 @@ def mount_overlay(
         mount_bind(lowers[0], target, readonly=True)
         return
     try:
+        mfd = overlay_fd(lowers, upper, work, options, what=str(target))
+    except _NoFsopen:
+        _mount_overlay_legacy(lowers, upper, work, target, options)
+        return
+    try:
+        # Safe: attaches the new overlay at the sandbox's rootfs directory.
+        _sys.move_mount(mfd, "", _sys.AT_FDCWD, target, _sys.MOVE_MOUNT_F_EMPTY_PATH)
+    except OSError as e:
+        raise _fail("move_mount overlay", e, target) from None
+    finally:
+        os.close(mfd)
+
+
+class _NoFsopen(Exception):
+    """The kernel has no fsopen (before 5.2)."""
+
+
+def overlay_fd(
+    lowers: Sequence[Path],
+    upper: Path | None,
+    work: Path | None,
+    options: Sequence[str] = (),
+    *,
+    what: str = "(detached)",
+) -> int:
+    """An overlayfs as a detached mount (fsopen/fsconfig/fsmount): an fd of a mount in
+    no mount namespace's table, which the caller attaches (move_mount) or hands to the
+    sandbox's launcher, whose own mount namespace is the only one it ever appears in.
+    Closing the fd before that frees it. Arguments as :func:`mount_overlay` (two or more
+    layers, or an upper); ``what`` names it in errors. HostError, or _NoFsopen (old kernel)."""
+    if not lowers:
+        raise HostError(f"mount overlay {what}: no lower layers given")
+    if (upper is None) != (work is None):
+        raise HostError(f"mount overlay {what}: upper and work must be given together")
+    try:
         fsfd = _sys.fsopen("overlay")
     except OSError as e:
         if e.errno != errno.ENOSYS:
-            raise _fail("fsopen overlay", e, target) from None
-        _mount_overlay_legacy(lowers, upper, work, target, options)
-        return
+            raise _fail("fsopen overlay", e, what) from None
+        raise _NoFsopen from None
     fds: list[int] = []
     step = ""  # what fsconfig was given last, for the error message
     try:
@@ -191,7 +226,7 @@ def mount_overlay(
         except OSError as e:
             log = _sys.fs_log(fsfd)
             raise _fail(
-                "mount overlay", e, target, detail=f"at {step}" + (f" ({log})" if log else "")
+                "mount overlay", e, what, detail=f"at {step}" + (f" ({log})" if log else "")
             ) from None
         attr = (
             _sys.MOUNT_ATTR_NODEV
@@ -199,16 +234,9 @@ def mount_overlay(
             else (_sys.MOUNT_ATTR_NODEV | _sys.MOUNT_ATTR_RDONLY)
         )
         try:
-            mfd = _sys.fsmount(fsfd, attr)
+            return _sys.fsmount(fsfd, attr)
         except OSError as e:
-            raise _fail("fsmount overlay", e, target) from None
-        try:
-            # Safe: attaches the new overlay at the sandbox's rootfs directory.
-            _sys.move_mount(mfd, "", _sys.AT_FDCWD, target, _sys.MOVE_MOUNT_F_EMPTY_PATH)
-        except OSError as e:
-            raise _fail("move_mount overlay", e, target) from None
-        finally:
-            os.close(mfd)
+            raise _fail("fsmount overlay", e, what) from None
     finally:
         for fd in fds:
             os.close(fd)

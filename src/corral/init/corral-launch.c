@@ -24,13 +24,27 @@
  *   -l PATH:ID     with a listener: send its fd to the node's listener socket PATH, for ID
  *   -e ENV         environment entry of the init (repeatable)
  *   -x PATH        the program to exec inside (the init), as PID 1, with fd 3 kept
+ *   -t             the mount namespace to start from is the template on fd 7 (made once
+ *                  per node by -T), not the node's: the clone copies its 3 mounts, not the
+ *                  host's whole table. Bind sources (host paths) are cloned as detached
+ *                  mounts (open_tree) before, while still in the node's namespace.
  *   -F STEP        test hook: exit abruptly (SIGKILL self) before the step with this name
+ *
+ *   corral-launch -T DIR
+ * makes the template mount namespace (a read-only tmpfs with fully visible proc and sysfs
+ * mounts, which mounting a new proc or sysfs in a user namespace requires, and an empty
+ * `rootfs` directory), pivoted into with DIR as a scratch mountpoint; says "READY" on
+ * fd 1 and waits for EOF on fd 0, while the node opens /proc/<pid>/ns/mnt.
  * Steps (inside the new namespaces, paths relative to the rootfs, resolved in it):
- *   root:PATH               the rootfs (host path); first step
+ *   root:PATH               the rootfs (host path); first step. PATH `-`: the detached
+ *                           mount on fd 6 (the node's fsmount of the overlay), moved onto
+ *                           the template's /rootfs (needs -t): it never is in the host's
+ *                           mount table
  *   fs:TYPE:SRC:DST:FLAGS:DATA   mount a new filesystem (FLAGS: hex MS_*)
  *   bind:SRC:DST:FLAGS:REC  bind SRC (host path) onto DST, then remount with FLAGS
  *   rro:DST                 make DST and everything below read-only (mount_setattr)
  *   ln:TARGET:DST           symlink
+ *   dir:DST:MODE            a directory (octal MODE) on what is mounted there already
  *   mask:DST                hide DST (a directory: empty read-only tmpfs; else /dev/null)
  *   ro:DST                  bind DST onto itself read-only
  *   remount:DST:FLAGS       remount DST (a mount made before) with FLAGS
@@ -66,6 +80,7 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -73,6 +88,9 @@
 #define MAXV 64
 #define REPORT_FD 4
 #define BPF_FD 5
+#define ROOT_FD 6
+#define TEMPLATE_FD 7
+#define TEMPLATE_ROOT "/rootfs"
 
 static const char *step = "start";
 static const char *fault; /* -F */
@@ -134,6 +152,11 @@ static int write_file(const char *path, const char *text)
 
 static int root_fd = -1;
 static int sync_sock = -1; /* the child's end of the socketpair with the launcher */
+/* With -t: per step, a detached clone of its bind source made in the node's mount
+ * namespace, and whether that source is a directory. */
+static int *src_fd;
+static char *src_dir;
+static int cur_step;
 
 /* Open DST inside the rootfs: symlinks resolve as if the rootfs were /, so an image can
  * never point a mount at a host path. Missing components are created (directories; the
@@ -248,7 +271,20 @@ static void do_step(char *s)
 	char *f[MAXV], p[64];
 	int n = split(s, f, MAXV);
 	at(f[0]);
-	if (!strcmp(f[0], "root") && n == 2) {
+	if (!strcmp(f[0], "root") && n == 2 && !strcmp(f[1], "-")) {
+		/* The node's detached overlay, attached only in this (template-copied) namespace. */
+		if (!src_fd) {
+			errno = EINVAL;
+			die("root - needs -t");
+		}
+		if (syscall(SYS_move_mount, ROOT_FD, "", AT_FDCWD, TEMPLATE_ROOT,
+			    MOVE_MOUNT_F_EMPTY_PATH) < 0)
+			die("move the rootfs mount");
+		close(ROOT_FD);
+		root_fd = open(TEMPLATE_ROOT, O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (root_fd < 0 || chdir(TEMPLATE_ROOT) < 0)
+			die(TEMPLATE_ROOT);
+	} else if (!strcmp(f[0], "root") && n == 2) {
 		/* The rootfs becomes a mount of its own in our private mount table. */
 		if (mount(f[1], f[1], NULL, MS_BIND | MS_REC, NULL) < 0)
 			die(f[1]);
@@ -266,15 +302,29 @@ static void do_step(char *s)
 			die(f[3]);
 		close(fd);
 	} else if (!strcmp(f[0], "bind") && n == 5) {
-		struct stat st;
-		if (stat(f[1], &st) < 0)
-			die(f[1]);
-		int fd = open_in_root(f[2], 1, !S_ISDIR(st.st_mode));
+		int sfd = src_fd ? src_fd[cur_step] : -1, isdir;
+		if (sfd >= 0) {
+			isdir = src_dir[cur_step];
+		} else {
+			struct stat st;
+			if (stat(f[1], &st) < 0)
+				die(f[1]);
+			isdir = S_ISDIR(st.st_mode);
+		}
+		int fd = open_in_root(f[2], 1, !isdir);
 		if (fd < 0)
 			die(f[2]);
 		fdpath(p, sizeof p, fd);
-		if (mount(f[1], p, NULL, MS_BIND | (atoi(f[4]) ? MS_REC : 0), NULL) < 0)
+		if (sfd >= 0) {
+			/* The clone made in the node's namespace (see prepare_sources). */
+			if (syscall(SYS_move_mount, sfd, "", fd, "",
+				    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH) < 0)
+				die(f[2]);
+			close(sfd);
+			src_fd[cur_step] = -1;
+		} else if (mount(f[1], p, NULL, MS_BIND | (atoi(f[4]) ? MS_REC : 0), NULL) < 0) {
 			die(f[2]);
+		}
 		close(fd);
 		unsigned long fl = strtoul(f[3], NULL, 16);
 		if (fl) {
@@ -286,6 +336,20 @@ static void do_step(char *s)
 			remount_bind(p, fl);
 			close(fd);
 		}
+	} else if (!strcmp(f[0], "dir") && n == 3) {
+		/* A directory on a filesystem mounted before (/dev/shm on the /dev tmpfs). */
+		int fd = open_in_root(f[1], 1, 0);
+		struct stat st;
+		if (fd < 0 || fstat(fd, &st) < 0)
+			die(f[1]);
+		if (!S_ISDIR(st.st_mode)) {
+			errno = ENOTDIR;
+			die(f[1]);
+		}
+		fdpath(p, sizeof p, fd);
+		if (chmod(p, strtoul(f[2], NULL, 8)) < 0)
+			die(f[1]);
+		close(fd);
 	} else if (!strcmp(f[0], "rro") && n == 2) {
 		int fd = open_in_root(f[1], 0, 0);
 		struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY};
@@ -318,8 +382,24 @@ static void do_step(char *s)
 			if (mount("tmpfs", p, "tmpfs", MS_RDONLY, "size=0k") < 0)
 				die(f[1]);
 		} else {
-			if (mount("/dev/null", p, NULL, MS_BIND, NULL) < 0)
+			if (src_fd) {
+				/* No host path here (-t): the sandbox's own /dev/null, the bind of
+				 * the host's made by an earlier step (checked: the null device). */
+				char q[64];
+				struct stat ns;
+				int nfd = open_in_root("/dev/null", 0, 0);
+				if (nfd < 0 || fstat(nfd, &ns) < 0 || !S_ISCHR(ns.st_mode) ||
+				    ns.st_rdev != makedev(1, 3)) {
+					errno = ENODEV;
+					die("/dev/null (a mask's source)");
+				}
+				fdpath(q, sizeof q, nfd);
+				if (mount(q, p, NULL, MS_BIND, NULL) < 0)
+					die(f[1]);
+				close(nfd);
+			} else if (mount("/dev/null", p, NULL, MS_BIND, NULL) < 0) {
 				die(f[1]);
+			}
 			close(fd);
 			fd = open_in_root(f[1], 0, 0);
 			if (fd < 0)
@@ -488,8 +568,14 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 	/* rootfsPropagation private: nothing mounted here ever reaches the host, nor back. */
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		die("make / private");
-	for (int i = 0; i < pl->nsteps; i++)
+	for (int i = 0; i < pl->nsteps; i++) {
+		cur_step = i;
 		do_step(pl->steps[i]);
+	}
+	if (src_fd)
+		for (int i = 0; i < pl->nsteps; i++)
+			if (src_fd[i] >= 0)
+				close(src_fd[i]); /* not used (cannot happen: each bind takes its own) */
 	at("fds");
 	/* fd 3 (the control socket) is the only descriptor the init inherits beyond stdio. */
 	if (fcntl(3, F_SETFD, 0) < 0)
@@ -603,16 +689,96 @@ static void read_bpf(struct plan *pl)
 	close(BPF_FD);
 }
 
+/* -T: the template mount namespace (see the header). Runs as host root in a process of
+ * its own; nothing of it reaches the node's namespace (it is private from the first call). */
+static int make_template(const char *dir)
+{
+	err_fd = 1; /* the node reads READY or ERR ... on our stdout */
+	at("template");
+	if (unshare(CLONE_NEWNS) < 0)
+		die("unshare(CLONE_NEWNS)");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		die("make / private");
+	if (mount("corral-template", dir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		  "size=16k,mode=755") < 0 || chdir(dir) < 0)
+		die(dir);
+	if (mkdir("proc", 0555) < 0 || mkdir("sys", 0555) < 0 || mkdir("rootfs", 0755) < 0)
+		die("mkdir");
+	/* Mounting proc or sysfs in a user namespace needs one already fully visible in the
+	 * mount namespace (fs/namespace.c, mount_too_revealing): these, with no flag set, so
+	 * no flag of theirs is locked against the sandbox's own mounts. */
+	if (mount("proc", "proc", "proc", 0, NULL) < 0)
+		die("mount proc");
+	if (mount("sysfs", "sys", "sysfs", 0, NULL) < 0)
+		die("mount sysfs");
+	if (syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0)
+		die("pivot_root");
+	if (mount(NULL, "/", NULL, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		  NULL) < 0)
+		die("remount / read-only");
+	if (write(1, "READY\n", 6) != 6)
+		die("report");
+	char c;
+	while (read(0, &c, 1) > 0)
+		;
+	return 0;
+}
+
+/* -t: a detached clone of every bind step's source, made here, in the node's mount
+ * namespace, where the host paths resolve; the child moves them into place. Same sources,
+ * same resolution as a bind by path before. (Masks bind the sandbox's own /dev/null.) */
+static void prepare_sources(const struct plan *pl)
+{
+	at("sources");
+	src_fd = malloc(sizeof *src_fd * (pl->nsteps + 1));
+	src_dir = calloc(pl->nsteps + 1, 1);
+	if (!src_fd || !src_dir)
+		die("malloc");
+	for (int i = 0; i < pl->nsteps; i++) {
+		char *f[MAXV], *copy = strdup(pl->steps[i]);
+		src_fd[i] = -1;
+		if (!copy)
+			die("strdup");
+		int n = split(copy, f, MAXV);
+		const char *src = NULL;
+		int rec = 0;
+		if (!strcmp(f[0], "bind") && n == 5) {
+			src = f[1];
+			rec = atoi(f[4]);
+		}
+		if (src) {
+			struct stat st;
+			if (stat(src, &st) < 0)
+				die(src);
+			src_dir[i] = S_ISDIR(st.st_mode);
+			/* Safe: a detached copy of a mount the config names as a bind source; only
+			 * the sandbox's child, in its own namespace, attaches it. */
+			src_fd[i] = (int)syscall(SYS_open_tree, AT_FDCWD, src,
+						 OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC |
+							 (rec ? AT_RECURSIVE : 0));
+			if (src_fd[i] < 0)
+				die(src);
+		}
+		free(copy);
+	}
+}
+
 int main(int argc, char **argv)
 {
+	if (argc == 3 && !strcmp(argv[1], "-T"))
+		return make_template(argv[2]);
 	static struct plan pl;
 	const char *netns = NULL, *cgroups[16], *late[16];
-	int ncg = 0, nlate = 0, i = 1, newnet = 0;
+	int ncg = 0, nlate = 0, i = 1, newnet = 0, template = 0;
 	unsigned owner = 0, hostid = 0, count = 0;
 	for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
 		const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(o, "-N")) {
 			newnet = pl.newnet = 1;
+			continue;
+		}
+		if (!strcmp(o, "-t")) {
+			template = 1;
 			continue;
 		}
 		if (!v) {
@@ -684,6 +850,8 @@ int main(int argc, char **argv)
 	}
 	if (pl.seccomp)
 		read_bpf(&pl);
+	if (template)
+		prepare_sources(&pl);
 
 	at("network namespace");
 	if (netns) {
@@ -710,6 +878,16 @@ int main(int argc, char **argv)
 	 * kernel enforces it for a non-root creator, and the pids cgroup is the real limit. */
 	struct rlimit nproc, inf = {RLIM_INFINITY, RLIM_INFINITY};
 	getrlimit(RLIMIT_NPROC, &nproc);
+	/* With -t the clone copies the template's mount namespace (3 mounts), not the node's
+	 * (every mount on the host: the cost grew with the number of mounts). */
+	int host_mnt = -1;
+	if (template) {
+		at("template");
+		host_mnt = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+		if (host_mnt < 0 || setns(TEMPLATE_FD, CLONE_NEWNS) < 0)
+			die("join the template mount namespace");
+		at("clone");
+	}
 	if (owner) {
 		(void)setrlimit(RLIMIT_NPROC, &inf);
 		if (setresgid(-1, owner, -1) < 0 || setresuid(-1, owner, -1) < 0)
@@ -722,6 +900,10 @@ int main(int argc, char **argv)
 	long pid = syscall(SYS_clone, flags, 0, 0, 0, 0);
 	int cerr = errno;
 	if (pid == 0) {
+		if (template) {
+			close(host_mnt);
+			close(TEMPLATE_FD);
+		}
 		close(go[1]);
 		close(ep[0]);
 		close(sp[0]);
@@ -733,6 +915,25 @@ int main(int argc, char **argv)
 		if (setresuid(-1, 0, -1) < 0 || setresgid(-1, 0, -1) < 0)
 			die("switch back to root");
 		(void)setrlimit(RLIMIT_NPROC, &nproc);
+	}
+	if (template) {
+		/* Back in the node's namespace: the paths below (cgroups, /proc, the seccomp
+		 * listener's socket) are host paths. */
+		if (setns(host_mnt, CLONE_NEWNS) < 0) {
+			int e = errno;
+			if (pid > 0) {
+				kill(pid, SIGKILL);
+				waitpid(pid, NULL, 0);
+			}
+			errno = e;
+			die("return to the node's mount namespace");
+		}
+		close(host_mnt);
+		close(TEMPLATE_FD);
+		close(ROOT_FD);
+		for (int k = 0; k < pl.nsteps; k++)
+			if (src_fd[k] >= 0)
+				close(src_fd[k]);
 	}
 	if (pid < 0) {
 		errno = cerr;

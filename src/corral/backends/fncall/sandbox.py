@@ -30,6 +30,7 @@ from corral.backends.base import Agent
 from corral.backends.initclient import ExecStream
 from corral.errors import SandboxError
 from corral.host.cgroups import Cgroups
+from corral.host.mounts import is_mountpoint
 
 __all__ = ["PoolSandbox", "Measured", "WORKER_SOURCE"]
 
@@ -156,6 +157,7 @@ class PoolSandbox:
         self.init_pid = init_pid
         self.worker_pid = 0
         self._dirs = scratch_dirs
+        self._plain_dirs: set[str] | None = None
         self._stream: ExecStream | None = None
         self._ctx: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -282,8 +284,16 @@ class PoolSandbox:
         if m.procs() - {self.init_pid, self.worker_pid}:
             return False
         root = f"/proc/{self.init_pid}/root"
+        if self._plain_dirs is None:
+            # A scratch dir that is a directory of a bigger tmpfs, not a tmpfs of its own
+            # (the launcher's /dev/shm is one of /dev): its inode count says nothing.
+            self._plain_dirs = {d for d in self._dirs if not is_mountpoint(Path(root + d))}
         for d in self._dirs:
             try:
+                if d in self._plain_dirs:
+                    if os.listdir(root + d):
+                        return False
+                    continue
                 st = os.statvfs(root + d)
             except OSError:
                 return False
