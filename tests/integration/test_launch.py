@@ -209,14 +209,13 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
     assert set(init.split()[5].split(",")) >= {"ro", "nosuid", "nodev"}
 
 
+@pytest.mark.parametrize("rt_node", ["launch"], indirect=True)
 async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # type: ignore[no-untyped-def]
     """Launcher: the rootfs overlay is attached in the sandbox's own mount namespace only
     (the host's table, which every new mount namespace copies, does not grow per sandbox),
     and that namespace holds nothing of the template it was copied from. The files API
     reaches the root through the init (works, refuses the guest's own mounts)."""
-    backend = rt_node.backends.get("container")
-    if backend.runtime.name != "launch":
-        pytest.skip("an OCI runtime is given the rootfs as a host path")
+    backend = rt_node.backends.get("container")  # an OCI runtime is given a host path
     async with sandbox(rt_node) as sid:
         pid = backend.init_pid(sid)
         host = Path("/proc/self/mountinfo").read_text().splitlines()
@@ -243,14 +242,13 @@ def ln_fstype(line: str) -> str:
     return line.split(" - ")[1].split()[0]
 
 
+@pytest.mark.parametrize("rt_node", ["launch"], indirect=True)
 async def test_fewer_superblocks_same_properties(rt_node) -> None:  # type: ignore[no-untyped-def]
     """Launcher: /dev/shm is a directory of the /dev tmpfs (sticky, world-writable; /dev
     is nosuid, nodev, noexec as /dev/shm was, and holds both sizes), and /sys/fs/cgroup a
     read-only bind of one node-wide tree: 6 superblocks per sandbox, not 8. Each still
     refuses what it refused: no write to /sys/fs/cgroup, no exec or device from /dev/shm,
     shm_open-style files work and count against the sandbox's memory."""
-    if rt_node.backends.get("container").runtime.name != "launch":
-        pytest.skip("crun mounts what the config says")
     async with sandbox(rt_node) as sid:
         pid = rt_node.backends.get("container").init_pid(sid)
         info = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
