@@ -339,6 +339,12 @@ def _cgroup_steps(
     return steps
 
 
+_RECORDS_TMPFS_SIZE = 1 << 30
+"""A cap, not an allocation: a record takes a page (4 KiB), so the 16 MiB this once was
+held 4,096 sandboxes and the 4,097th create failed with ENOSPC (`bench density --count
+10000`); 1 GiB holds 262,144."""
+
+
 class Launcher:
     """Starts sandboxes with corral-launch; keeps a record per sandbox under ``root``.
 
@@ -363,7 +369,7 @@ class Launcher:
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
         if root_tmpfs and _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
             try:
-                mounts.mount_tmpfs(root, size=16 << 20, mode=0o700)
+                mounts.mount_tmpfs(root, size=_RECORDS_TMPFS_SIZE, mode=0o700)
             except HostError as e:  # only slower without it
                 log.warning("launch records stay on disk: %s", e.message)
 
