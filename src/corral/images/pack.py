@@ -144,27 +144,13 @@ def pack_upper(
     ``truncate -s 100T`` costing nothing in its quota would become 100 TB in the store.
     Conflict if the files add up to more than ``max_bytes`` and more than they occupy.
     """
-    scrub(upper)
-    tally = normalize(upper, inverse.host_uid, inverse.size)
-    if tally.apparent > max(max_bytes, tally.allocated):
-        holes, where = tally.sparsest
-        raise Conflict(
-            f"snapshot of {source}: its files add up to {tally.apparent} bytes with holes "
-            f"filled (a layer stores them in full), more than its disk limit of {max_bytes}; "
-            f"the sparsest is {os.path.relpath(where, upper)!r} ({holes} bytes of holes)"
-        )
+    tally = _prepared(upper, inverse.host_uid, inverse.size, source=source, max_bytes=max_bytes)
     mount_dir.mkdir(parents=True, exist_ok=False)
     try:
         # Read-only, nodev, nosuid: a view of the guest's files for mkfs to read.
         mounts.mount_idmapped(upper, mount_dir, inverse.fd)
         try:
-            return store.add_dir(
-                mount_dir,
-                kind="snapshot",
-                source=source,
-                meta={"entries": str(tally.entries), "bytes": str(tally.apparent)},
-                compress=compress,
-            )
+            return _add_snapshot(store, mount_dir, tally, source=source, compress=compress)
         finally:
             mounts.umount(mount_dir, detach=True)
     finally:
@@ -184,15 +170,30 @@ def pack_tree(
     """:func:`pack_upper` for an upper whose owners are already image-relative (root = 0):
     a microVM's, unpacked on the host from the tar its guest sent
     (:mod:`corral.images.uppertar`). No idmapped view: mkfs reads ``upper`` itself."""
+    tally = _prepared(upper, 0, id_count, source=source, max_bytes=max_bytes)
+    return _add_snapshot(store, upper, tally, source=source, compress=compress)
+
+
+def _prepared(upper: Path, host_uid: int, id_count: int, *, source: str, max_bytes: int) -> Tally:
+    """Scrub and normalize ``upper``; Conflict if its files, holes filled, exceed
+    ``max_bytes`` and what they occupy (mkfs.erofs writes holes out as zeros)."""
     scrub(upper)
-    tally = normalize(upper, 0, id_count)
+    tally = normalize(upper, host_uid, id_count)
     if tally.apparent > max(max_bytes, tally.allocated):
+        holes, where = tally.sparsest
         raise Conflict(
-            f"snapshot of {source}: its files add up to {tally.apparent} bytes, more than "
-            f"its disk limit of {max_bytes}"
+            f"snapshot of {source}: its files add up to {tally.apparent} bytes with holes "
+            f"filled (a layer stores them in full), more than its disk limit of {max_bytes}; "
+            f"the sparsest is {os.path.relpath(where, upper)!r} ({holes} bytes of holes)"
         )
+    return tally
+
+
+def _add_snapshot(
+    store: LayerStore, tree: Path, tally: Tally, *, source: str, compress: str | None
+) -> LayerInfo:
     return store.add_dir(
-        upper,
+        tree,
         kind="snapshot",
         source=source,
         meta={"entries": str(tally.entries), "bytes": str(tally.apparent)},
