@@ -92,12 +92,22 @@ def microvm_cmd(
         Path | None,
         typer.Option("--kernel-dir", help="An extracted Debian kernel (default: fetched)."),
     ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Run one part: 'dax' (the shared/private memory figure and one idle VM's "
+            "memory breakdown, with boot times; no pause, fork or container runs).",
+        ),
+    ] = None,
 ) -> Scenario:
     """MicroVMs: boot to first exec (p50/p99), exec p50, host memory per VM, accelerator,
     and the container boot to exec of the same run."""
     from corral.bench.microvm import microvm
 
-    return microvm(opts, count, kernel_dir)
+    if only not in (None, "dax"):
+        raise typer.BadParameter(f"{only!r}: the only part is 'dax'", param_hint="--only")
+    return microvm(opts, count, kernel_dir, only=only)
 
 
 @scenario(

@@ -49,7 +49,11 @@ def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> No
     )
 
 
-async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> dict[str, Any]:
+async def microvm(
+    opts: BenchOptions, count: int, kernel_dir: Path | None, only: str | None = None
+) -> dict[str, Any]:
+    """The scenario (see the module docstring); ``only="dax"``: the ``dax`` figure alone
+    (its own boot times and idle breakdown included), for A/B runs of memory changes."""
     from corral.node import Node
     from corral.spec import ExecRequest, ForkRequest, Limits, SandboxSpec
 
@@ -70,6 +74,10 @@ async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> di
         assert vm is not None
         out["accel"] = vm.status().accel
         out["accel_detail"] = vm.status().detail.get("accel_detail", "")
+        assert isinstance(vm, MicroVMBackend)
+        if only == "dax":
+            out["dax"] = await dax_figure(node, vm, spec, count, opts.state_dir)
+            return out
 
         async def boot(s: SandboxSpec) -> float:
             t0 = time.perf_counter()
@@ -122,7 +130,6 @@ async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> di
         for i in ids:
             await node.sandbox_destroy(i)
         ids.clear()
-        assert isinstance(vm, MicroVMBackend)
         out["dax"] = await dax_figure(node, vm, spec, count, opts.state_dir)
         say(f"container: {count} boots to first exec, one after another")
         cboots = [await boot(cspec) for _ in range(count)]
