@@ -133,6 +133,13 @@ def vm_argv(
         f"file,id=con,path={files.console}",
         "-serial",
         "chardev:con",
+        # Free page reporting: the guest hands 2 MiB blocks it frees (the unpacked
+        # initramfs after switch_root, the boot's transient allocations, page cache it
+        # drops) back to QEMU, which discards them (MADV_DONTNEED): a freed guest page
+        # stops counting on the host. Only guest RAM is ever reported (the DAX layer
+        # ranges are not the guest allocator's).
+        "-device",
+        "virtio-balloon-device,free-page-reporting=on",
         "-device",
         "virtio-serial-device",
         "-chardev",
