@@ -100,6 +100,10 @@ def microvm_cmd(
             "memory breakdown, with boot times; no pause, fork or container runs).",
         ),
     ] = None,
+    tcg_tb_mib: Annotated[
+        int | None,
+        typer.Option("--tcg-tb-mib", min=1, help="TCG translation cache per VM (MiB)."),
+    ] = None,
 ) -> Scenario:
     """MicroVMs: boot to first exec (p50/p99), exec p50, host memory per VM, accelerator,
     and the container boot to exec of the same run."""
@@ -107,7 +111,7 @@ def microvm_cmd(
 
     if only not in (None, "dax"):
         raise typer.BadParameter(f"{only!r}: the only part is 'dax'", param_hint="--only")
-    return microvm(opts, count, kernel_dir, only=only)
+    return microvm(opts, count, kernel_dir, only=only, tcg_tb_mib=tcg_tb_mib)
 
 
 @scenario(

@@ -31,13 +31,18 @@ if TYPE_CHECKING:
 __all__ = ["microvm"]
 
 
-def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> NodeConfig:
-    """The bench node: containers (for the same-run baseline) beside a ``kind`` VM backend."""
+def vm_node_config(
+    opts: BenchOptions, kind: str, kernel_dir: Path | None, tcg_tb_mib: int | None = None
+) -> NodeConfig:
+    """The bench node: containers (for the same-run baseline) beside a ``kind`` VM backend
+    (``tcg_tb_mib``: its translation cache instead of the default, for an A/B)."""
     from corral.node import NodeConfig
 
     vm_cfg: dict[str, Any] = {"kind": kind}
     if kernel_dir is not None:
         vm_cfg["kernel_dir"] = str(kernel_dir)
+    if tcg_tb_mib is not None:
+        vm_cfg["tcg_tb_mib"] = tcg_tb_mib
     return NodeConfig.model_validate(
         {
             "state_dir": opts.state_dir,
@@ -50,7 +55,11 @@ def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> No
 
 
 async def microvm(
-    opts: BenchOptions, count: int, kernel_dir: Path | None, only: str | None = None
+    opts: BenchOptions,
+    count: int,
+    kernel_dir: Path | None,
+    only: str | None = None,
+    tcg_tb_mib: int | None = None,
 ) -> dict[str, Any]:
     """The scenario (see the module docstring); ``only="dax"``: the ``dax`` figure alone
     (its own boot times and idle breakdown included), for A/B runs of memory changes."""
@@ -59,7 +68,7 @@ async def microvm(
 
     store = LayerStore(opts.store_dir)
     image = await asyncio.to_thread(ensure_image, store, opts.image)
-    cfg = vm_node_config(opts, "microvm", kernel_dir)
+    cfg = vm_node_config(opts, "microvm", kernel_dir, tcg_tb_mib)
     limits = Limits(cpus=1, memory="256MiB", disk="1GiB")
     # latency: a TCG boot on idle CPU only would measure the host's other load
     spec = SandboxSpec(image=image.info.name, backend="microvm", limits=limits, qos="latency")
@@ -75,6 +84,7 @@ async def microvm(
         out["accel"] = vm.status().accel
         out["accel_detail"] = vm.status().detail.get("accel_detail", "")
         assert isinstance(vm, MicroVMBackend)
+        out["tcg_tb_mib"] = vm.config.tcg_tb_mib
         if only == "dax":
             out["dax"] = await dax_figure(node, vm, spec, count, opts.state_dir)
             return out

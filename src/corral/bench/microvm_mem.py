@@ -18,6 +18,7 @@ files, kernel memory: page tables, slab). The guest's ``/proc/meminfo`` says wha
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 __all__ = ["GUEST_MEMINFO", "guest_meminfo", "ram_sizes", "smaps_breakdown"]
@@ -41,19 +42,19 @@ def ram_sizes(argv: list[str]) -> set[int]:
     return sizes
 
 
-def smaps_breakdown(pid: int, ram: set[int]) -> dict[str, Any]:
+def smaps_breakdown(pid: int, ram: set[int], path: Path | None = None) -> dict[str, Any]:
     """Rss (and, for guest RAM, the part in transparent huge pages) of QEMU ``pid`` by
-    kind of mapping, in MiB."""
+    kind of mapping, in MiB (``path``: another smaps file to read, for tests)."""
     rss: dict[str, int] = {}
     huge = 0
     kind = "qemu_heap"
     size = 0
-    with open(f"/proc/{pid}/smaps") as f:
+    with open(path or f"/proc/{pid}/smaps") as f:
         for line in f:
             m = _HEAD.match(line)
             if m:
-                perms, path = m.group(1), m.group(2).strip()
-                kind = _kind(perms, path)
+                perms, name = m.group(1), m.group(2).strip()
+                kind = _kind(perms, name)
                 continue
             key, _, rest = line.partition(":")
             if key == "Size":

@@ -358,6 +358,7 @@ class MicroVMBackend:
             runas=f"{uid}:{uid}",
             dns=self._resolver(),
             hostname=spec.hostname,
+            tb_mib=self.config.tcg_tb_mib,
         )
 
     def _layer_access(self, sandbox_id: str) -> str:

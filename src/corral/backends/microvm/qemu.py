@@ -86,10 +86,12 @@ def vm_argv(
     qemu: str = QEMU,
     dns: str | None = None,
     hostname: str | None = None,
+    tb_mib: int = 16,
 ) -> list[str]:
     """The full QEMU command line of one VM, to be run with the sandbox dir
     (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
-    /etc/resolv.conf names (the node's); ``hostname``: the guest's."""
+    /etc/resolv.conf names (the node's); ``hostname``: the guest's; ``tb_mib``: TCG's
+    translation cache (MiB)."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
     if files.dax is not None:
         append += " corral.dax=1 " + " ".join(files.dax.kernel_args)
@@ -113,7 +115,7 @@ def vm_argv(
         # pcie=on for DAX: the guest kernel inserts the pmem ranges in its PCI survey
         "microvm,isa-serial=on" + (",pcie=on" if files.dax is not None else ""),
         "-accel",
-        "tcg,tb-size=64" if accel == "tcg" else accel,
+        f"tcg,tb-size={tb_mib}" if accel == "tcg" else accel,
         "-cpu",
         "max" if accel == "tcg" else "host",
         *(files.dax.argv if files.dax is not None else ["-m", str(memory_mib)]),
