@@ -60,7 +60,7 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import dax, guest, qemu
+from corral.backends.microvm import dax, freeze, guest, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
@@ -698,9 +698,10 @@ class MicroVMBackend:
         (:func:`corral.images.uppertar.unpack_upper`: the archive is the guest's, so
         untrusted). The host never mounts the guest's disk.
 
-        Not frozen: the guest runs on while its files are read (QMP ``stop`` would stop the
-        agent too), so a file written meanwhile may be caught half done; each file is read
-        once, at the size it had when listed. Returns 0.0 (no time held frozen)."""
+        The guest's user processes are frozen meanwhile by the guest itself (its cgroup2
+        freezer, :mod:`.freeze`: QMP ``stop`` would stop the agent too), thawed when the
+        stream ends, and by a second exec if the stream was cut. Returns 0.0 (the host
+        held nothing frozen)."""
         if self.saved(sandbox_id) or self.cgroups.is_frozen(sandbox_id):
             raise Conflict(
                 f"sandbox {sandbox_id} is paused: resume it before a snapshot of a microVM "
@@ -716,21 +717,27 @@ class MicroVMBackend:
         err = bytearray()
         got = 0
         stream = self.agent(sandbox_id).stream(
-            [_TAR, _UPPER],
+            freeze.snapshot_argv(_TAR, _UPPER),
             env={"PATH": "/usr/bin:/bin"},
             output_limit=limit,
             timeout=_SNAPSHOT_TIMEOUT,
             keep_output=False,
         )
-        # Safe: a new file in the node's own new scratch subvolume.
-        with open(archive, "wb") as f:
-            async with stream:
-                async for kind, data in stream:
-                    if kind == "stdout":
-                        got += len(data)
-                        await asyncio.to_thread(f.write, data)
-                    elif len(err) < 4096:
-                        err += data[: 4096 - len(err)]
+        ended = False
+        try:
+            # Safe: a new file in the node's own new scratch subvolume.
+            with open(archive, "wb") as f:
+                async with stream:
+                    async for kind, data in stream:
+                        if kind == "stdout":
+                            got += len(data)
+                            await asyncio.to_thread(f.write, data)
+                        elif len(err) < 4096:
+                            err += data[: 4096 - len(err)]
+            ended = stream.result.reason == "exited"
+        finally:
+            if not ended:  # killed (no trap ran in the guest) or cut: thaw from outside
+                await self._thaw_guest(sandbox_id)
         r = stream.result
         if r.reason == "output_limit" or got > limit:
             raise SandboxError(
@@ -759,6 +766,16 @@ class MicroVMBackend:
                 f"snapshot of {sandbox_id}: unpacking the guest's files failed: {e}"
             ) from None
         return 0.0
+
+    async def _thaw_guest(self, sandbox_id: str) -> None:
+        """Undo a snapshot's freeze in the guest (:data:`.freeze.THAW`); a guest that
+        cannot be reached is logged (its next snapshot thaws first)."""
+        try:
+            r = await self.agent(sandbox_id).exec(freeze.thaw_argv(), env={}, timeout=60)
+            if r.code != 0:
+                log.warning("thaw of %s after a snapshot: %r", sandbox_id, r.stderr[-300:])
+        except Exception as e:  # the stream's own error is the one to report
+            log.warning("thaw of %s after a snapshot failed: %s", sandbox_id, e)
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
         """The guest's upper dir, unpacked by :meth:`_copy_upper` (owners already the
