@@ -11,8 +11,10 @@ Create, in order (each step undone if a later one fails):
   5. the first ping through it, within ``boot_timeout`` (else: the console's last lines
      in the error, the VMM killed, nothing left).
 
-The image's EROFS layers are given to the guest read-only as virtio-blk disks, straight
-from the layer store's files (one host page cache with every container using them).
+The image's EROFS layers are given to the guest read-only straight from the layer store's
+files (one host page cache with every container using them): mapped as pmem for DAX
+(:mod:`.dax`), or as virtio-blk disks where that cannot be laid out. Memory the guest frees
+goes back to the host (free page reporting, see :mod:`.qemu`).
 
 Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0`` the node
 attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
@@ -24,8 +26,8 @@ each child restored from it (:meth:`_create_fork`). Snapshot to a store layer: t
 writable layer is an ext4 image the host never mounts, so the guest streams its overlay
 upper dir (bound read-only at ``/.corral/upper`` by the initramfs) out through the agent
 as a tar (``/.corral/tar``), the node unpacks it with its own checks into a scratch
-subvolume and packs that as containers do (:meth:`_copy_upper`, :meth:`pack`). Not yet:
-virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs").
+subvolume and packs that as containers do (:meth:`_copy_upper`, :meth:`pack`), the
+guest's processes frozen meanwhile by the guest itself (:mod:`.freeze`).
 """
 
 from __future__ import annotations
