@@ -11,6 +11,7 @@ Example::
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
     corral bench microvm --count 8 --json
+    corral bench microvm --only dax --count 8 --json
     corral bench desktop --count 2 --json
     corral bench placement --nodes 160 --sandboxes 32768 --json
     corral bench cluster --nodes 3 --count 300 --json
