@@ -65,8 +65,9 @@ class MicroVMConfig(BaseModel):
     tcg_tb_mib: int = Field(16, ge=1, le=2048)
     """TCG's translation cache per VM (QEMU ``tb-size``, MiB; ignored under KVM): host
     memory each VM holds once its guest has run that much code (an idle microVM filled
-    56 of 64 MiB); smaller re-translates more often (a flush when full). 16: boot and
-    exec cost no more, measured (docs/design-notes.md, "MicroVMs")."""
+    56 of 64 MiB). Smaller re-translates more often (a flush when full: 8-9 over a boot
+    and a 96 MiB read at 16; a boot perhaps ~3 s slower under load; docs/design-notes.md,
+    "MicroVMs")."""
     dax: bool = True
     """Map the image layers into the guest as pmem and mount them with DAX (one host page
     cache, no copy in the guest) where the layout allows (corral.backends.microvm.dax);
