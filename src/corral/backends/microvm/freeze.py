@@ -13,8 +13,10 @@ mount it makes is seen by no one else), which
   3. freezes that cgroup (cgroup v2: the processes see no signal, unlike SIGSTOP) and
      waits until the kernel says it is frozen (at most ~10 s, then it streams anyway and
      says so on stderr);
-  4. runs corral-tar (its argv), and on exit, normal or by signal, thaws the cgroup and
-     moves its processes back to the root cgroup.
+  4. runs corral-tar (its argv), and on exit, normal or by signal, moves the processes
+     back to the root cgroup while the cgroup is still frozen (so none forks a child into
+     it meanwhile: first seen, an rmdir that failed on a child forked just after a thaw),
+     each thawed as it moves, and removes the cgroup.
 
 A process frozen between two write() calls is caught between them: the snapshot is one
 instant of the whole upper dir (crash-consistent), not a point the program chose.
@@ -32,10 +34,13 @@ BUSYBOX = "/.corral/busybox"
 _COMMON = r"""
 B=/.corral/busybox; G=/sys/fs/cgroup; F=$G/corral-snapshot
 $B mount -t cgroup2 none $G 2>/dev/null || { echo "corral-freeze: no cgroup2, not frozen" >&2; G=; }
-thaw() {
+thaw() {  # move them out while still frozen (none can fork meanwhile); each thaws as it goes
   [ -n "$G" ] && [ -d $F ] || return 0
-  echo 0 > $F/cgroup.freeze
-  for p in $($B cat $F/cgroup.procs); do echo $p > $G/cgroup.procs 2>/dev/null; done
+  for t in 1 2 3 4 5 6 7 8 9 10; do
+    ps=$($B cat $F/cgroup.procs 2>/dev/null); [ -n "$ps" ] || break
+    for p in $ps; do echo $p > $G/cgroup.procs 2>/dev/null; done
+  done
+  echo 0 > $F/cgroup.freeze 2>/dev/null
   $B rmdir $F 2>/dev/null
 }
 thaw
