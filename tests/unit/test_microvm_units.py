@@ -226,6 +226,11 @@ def test_vm_argv_returns_freed_pages_and_sizes_the_translation_cache(tmp_path: P
     kvm = qemu.vm_argv(f, accel="kvm", cpus=1, memory_mib=256, runas=None, tb_mib=12)
     assert kvm[kvm.index("-accel") + 1] == "kvm"
     assert "virtio_balloon" in guest.MODULES
+    # a fork child of a VM started before the balloon keeps its parent's devices
+    old = [a for a in argv if a != "virtio-balloon-device,free-page-reporting=on"]
+    old.remove("-device")  # the balloon's own -device (the first one)
+    assert qemu.devices_as_in(argv, old) == old
+    assert qemu.devices_as_in(argv, argv) == argv
 
 
 def test_smaps_breakdown_tells_mappings_apart(tmp_path: Path) -> None:

@@ -669,6 +669,13 @@ class MicroVMBackend:
             qmp_sock=d / "qmp.sock",
         )
         argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
+        # the parent's command line (its vm.json, in the copy): the migrated state has its
+        # devices, so a parent started before free page reporting gives children without
+        try:
+            parent = json.loads((d / "vm.json").read_text())["argv"]
+        except (OSError, ValueError, KeyError):
+            parent = argv
+        argv = qemu.devices_as_in(argv, parent)
         (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
         mux = self._new_mux(sandbox_id)
         with phases.phase("runtime_start"):

@@ -33,6 +33,7 @@ __all__ = [
     "QEMU",
     "TAP",
     "VMFiles",
+    "devices_as_in",
     "mac_of",
     "probe_accel",
     "trampoline",
@@ -52,6 +53,9 @@ range, which a node subnet is unlikely to overlap."""
 # QEMU 7.2 installs its filter before it daemonizes (a fork) and drops to -runas (setuid),
 # so spawn=deny and elevateprivileges=deny would kill it at start (SIGSYS, seen here).
 _SANDBOX = "on,obsolete=deny,resourcecontrol=deny"
+
+_BALLOON = "virtio-balloon-device,free-page-reporting=on"
+"""Free page reporting, no balloon ever inflated (see :func:`vm_argv`)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def vm_argv(
         # stops counting on the host. Only guest RAM is ever reported (the DAX layer
         # ranges are not the guest allocator's).
         "-device",
-        "virtio-balloon-device,free-page-reporting=on",
+        _BALLOON,
         "-device",
         "virtio-serial-device",
         "-chardev",
@@ -190,6 +194,16 @@ def vm_argv(
     if runas is not None:
         argv += ["-runas", runas]
     return argv
+
+
+def devices_as_in(argv: list[str], parent: list[str]) -> list[str]:
+    """``argv`` (a fork child's) without the balloon device if ``parent`` (the command
+    line the migrated state came from) had none: a VM started before free page reporting
+    was added; restoring its state into a machine with an extra device fails."""
+    if _BALLOON in parent or _BALLOON not in argv:
+        return argv
+    i = argv.index(_BALLOON)
+    return argv[: i - 1] + argv[i + 1 :]
 
 
 def host_tsc_khz() -> int | None:
