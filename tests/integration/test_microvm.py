@@ -466,6 +466,68 @@ async def test_snapshot_to_a_layer_then_container_and_microvm(vmnode):  # type: 
     assert not _vmm_procs()
 
 
+async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ignore[no-untyped-def]
+    """Processes writing while a snapshot streams the guest's upper dir out: the guest's
+    processes are frozen meanwhile, so the layer holds one instant of them. One writer
+    puts a round number into 40 files in turn, round after round: in the layer the files
+    hold round n up to some file and n-1 after it (read one by one while the writer ran,
+    they would span several rounds). Another rewrites a 1 MiB file with one write() of
+    all-A or all-B: whole in the layer. Both run on once it is done."""
+    from corral.host import mounts
+    from corral.spec import ExecRequest
+
+    async def sh(sid: str, script: str) -> str:
+        r = await vmnode.exec(sid, ExecRequest(cmd=["sh", "-c", script]))
+        assert r.exit_code == 0, r
+        return r.stdout.decode()
+
+    src = await vmnode.sandbox_create(_spec())
+    try:
+        await sh(
+            src.id,
+            "mkdir -p /data/s && for c in A B; do dd if=/dev/zero bs=1M count=1 2>/dev/null"
+            " | tr '\\0' $c > /dev/shm/$c; done && cp /dev/shm/A /data/f",
+        )
+        whole = (  # one write() of 1 MiB per copy (dd bs=1M from tmpfs), in place
+            "while :; do for c in A B; do"
+            " dd if=/dev/shm/$c of=/data/f bs=1M count=1 conv=notrunc 2>/dev/null; done; done"
+        )
+        rounds = (
+            "all=$(seq 1 40); n=0; while :; do n=$((n + 1));"
+            " for i in $all; do echo $n > /data/s/$i; done; done"
+        )
+        await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", whole]))
+        await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", rounds]))
+        await sh(src.id, 'until [ "$(cat /data/s/40 2>/dev/null)" -gt 2 ] 2>/dev/null; do :; done')
+        snap = await vmnode.sandbox_snapshot(src.id, name="vmtest/snap:frozen")
+        probe = vmnode.config.state_dir / "probe-frozen"
+        probe.mkdir(exist_ok=True)
+        mounts.mount_erofs(vmnode.store.path_of(snap.layers[-1]), probe)
+        try:
+            data = (probe / "data/f").read_bytes()
+            seen = [(probe / f"data/s/{i}").read_text().strip() for i in range(1, 41)]
+        finally:
+            mounts.umount(probe)
+            probe.rmdir()
+        assert len(data) == 1 << 20 and set(data) in ({ord("A")}, {ord("B")}), set(data)
+        # one file may be caught between its truncate and its write (empty)
+        got = [int(v) for v in seen if v]
+        assert len(got) >= 39 and got == sorted(got, reverse=True), seen
+        assert got[0] - got[-1] <= 1, seen
+        # thawed: the writer goes on, and the freezer cgroup is gone
+        n = int(await sh(src.id, "cat /data/s/40"))
+        await sh(src.id, f'until [ "$(cat /data/s/40)" -gt {n} ] 2>/dev/null; do :; done')
+        left = await sh(
+            src.id,
+            "/.corral/busybox unshare -m sh -c 'mount -t cgroup2 none /sys/fs/cgroup"
+            " && ls /sys/fs/cgroup | grep -c corral-snapshot || true'",
+        )
+        assert left.strip() == "0", left
+    finally:
+        await vmnode.sandbox_destroy(src.id)
+    assert not _vmm_procs()
+
+
 async def test_snapshot_of_a_hostile_guest_is_refused(vmnode):  # type: ignore[no-untyped-def]
     """A guest that replaces its tar streamer (it owns its root) and sends a crafted
     archive: the snapshot fails with a clear error, nothing is written outside the scratch

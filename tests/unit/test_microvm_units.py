@@ -206,3 +206,50 @@ def test_vm_argv_with_dax_maps_layers_and_has_no_layer_disks(tmp_path: Path) -> 
     assert "corral.dax=1" in text and "memmap=2097152!" in text
     assert "serial=l0" not in text and "serial=rw" in text
     assert argv[argv.index("-m") + 1] == f"{256 + 2}M"
+
+
+def test_vm_argv_returns_freed_pages_and_sizes_the_translation_cache(tmp_path: Path) -> None:
+    """Every microVM has a balloon device with free page reporting (the guest's freed
+    memory goes back to the host) and TCG's translation cache at the size asked."""
+    f = qemu.VMFiles(
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        layers=[],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "c.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+    )
+    argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tb_mib=12)
+    assert "virtio-balloon-device,free-page-reporting=on" in argv
+    assert argv[argv.index("-accel") + 1] == "tcg,tb-size=12"
+    kvm = qemu.vm_argv(f, accel="kvm", cpus=1, memory_mib=256, runas=None, tb_mib=12)
+    assert kvm[kvm.index("-accel") + 1] == "kvm"
+    assert "virtio_balloon" in guest.MODULES
+    # a fork child of a VM started before the balloon keeps its parent's devices
+    old = [a for a in argv if a != "virtio-balloon-device,free-page-reporting=on"]
+    old.remove("-device")  # the balloon's own -device (the first one)
+    assert qemu.devices_as_in(argv, old) == old
+    assert qemu.devices_as_in(argv, argv) == argv
+
+
+def test_smaps_breakdown_tells_mappings_apart(tmp_path: Path) -> None:
+    """The bench's breakdown of QEMU's memory: guest RAM by its backend's size, the rwx
+    translation cache, the layer files, QEMU's files, the rest as heap."""
+    from corral.bench import microvm_mem
+
+    argv = ["-m", "430M", "-object", "memory-backend-ram,id=ram,size=4194304"]
+    assert microvm_mem.ram_sizes(argv) == {430 << 20, 4 << 20}
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "7f00-7f01 rw-p 00000000 00:00 0 \nSize: 4096 kB\nRss: 2048 kB\nAnonHugePages: 2048 kB\n"
+        "7f02-7f03 rwxp 00000000 00:00 0 \nSize: 16384 kB\nRss: 1024 kB\n"
+        "7f04-7f05 r--s 00000000 fe:00 9 /store/layers/ab.erofs\nSize: 8 kB\nRss: 8 kB\n"
+        "7f06-7f07 r-xp 00000000 fe:00 7 /usr/bin/qemu\nSize: 100 kB\nRss: 100 kB\n"
+        "7f08-7f09 rw-p 00000000 00:00 0 [heap]\nSize: 64 kB\nRss: 64 kB\n"
+    )
+    got = microvm_mem.smaps_breakdown(0, {4 << 20}, path=smaps)
+    assert got["guest_ram"] == 2.0 and got["guest_ram_thp"] == 2.0
+    assert got["tcg_code_buffer"] == 1.0
+    assert got["layer_files"] == round(8 / 1024, 1) and got["qemu_files"] == 0.1
+    assert got["qemu_heap"] == 0.1

@@ -62,6 +62,12 @@ class MicroVMConfig(BaseModel):
     memory_overhead: int = Field(256 << 20, ge=0)
     """Bytes the sandbox's cgroup allows beyond the guest's memory (QEMU itself, its
     translation cache under TCG)."""
+    tcg_tb_mib: int = Field(16, ge=1, le=2048)
+    """TCG's translation cache per VM (QEMU ``tb-size``, MiB; ignored under KVM): host
+    memory each VM holds once its guest has run that much code (an idle microVM filled
+    56 of 64 MiB). Smaller re-translates more often (a flush when full: 8-9 over a boot
+    and a 96 MiB read at 16; a boot perhaps ~3 s slower under load; docs/design-notes.md,
+    "MicroVMs")."""
     dax: bool = True
     """Map the image layers into the guest as pmem and mount them with DAX (one host page
     cache, no copy in the guest) where the layout allows (corral.backends.microvm.dax);
@@ -83,6 +89,9 @@ class VMConfig(MicroVMConfig):
     memory_overhead: int = Field(384 << 20, ge=0)
     """Bytes the sandbox's cgroup allows beyond the guest's memory (QEMU, its translation
     cache under TCG, the video memory)."""
+    tcg_tb_mib: int = Field(64, ge=1, le=2048)
+    """TCG's translation cache (MiB): a desktop runs far more code (Xorg, a window
+    manager) than a microVM's agent; its smaller cache is not measured."""
 
 
 BackendConfig = Annotated[

@@ -11,6 +11,7 @@ Example::
     corral bench density --count 200 --json
     corral bench fork --count 20 --json
     corral bench microvm --count 8 --json
+    corral bench microvm --only dax --count 8 --json
     corral bench desktop --count 2 --json
     corral bench placement --nodes 160 --sandboxes 32768 --json
     corral bench cluster --nodes 3 --count 300 --json
@@ -92,12 +93,26 @@ def microvm_cmd(
         Path | None,
         typer.Option("--kernel-dir", help="An extracted Debian kernel (default: fetched)."),
     ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Run one part: 'dax' (the shared/private memory figure and one idle VM's "
+            "memory breakdown, with boot times; no pause, fork or container runs).",
+        ),
+    ] = None,
+    tcg_tb_mib: Annotated[
+        int | None,
+        typer.Option("--tcg-tb-mib", min=1, help="TCG translation cache per VM (MiB)."),
+    ] = None,
 ) -> Scenario:
     """MicroVMs: boot to first exec (p50/p99), exec p50, host memory per VM, accelerator,
     and the container boot to exec of the same run."""
     from corral.bench.microvm import microvm
 
-    return microvm(opts, count, kernel_dir)
+    if only not in (None, "dax"):
+        raise typer.BadParameter(f"{only!r}: the only part is 'dax'", param_hint="--only")
+    return microvm(opts, count, kernel_dir, only=only, tcg_tb_mib=tcg_tb_mib)
 
 
 @scenario(

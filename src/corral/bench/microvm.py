@@ -31,13 +31,18 @@ if TYPE_CHECKING:
 __all__ = ["microvm"]
 
 
-def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> NodeConfig:
-    """The bench node: containers (for the same-run baseline) beside a ``kind`` VM backend."""
+def vm_node_config(
+    opts: BenchOptions, kind: str, kernel_dir: Path | None, tcg_tb_mib: int | None = None
+) -> NodeConfig:
+    """The bench node: containers (for the same-run baseline) beside a ``kind`` VM backend
+    (``tcg_tb_mib``: its translation cache instead of the default, for an A/B)."""
     from corral.node import NodeConfig
 
     vm_cfg: dict[str, Any] = {"kind": kind}
     if kernel_dir is not None:
         vm_cfg["kernel_dir"] = str(kernel_dir)
+    if tcg_tb_mib is not None:
+        vm_cfg["tcg_tb_mib"] = tcg_tb_mib
     return NodeConfig.model_validate(
         {
             "state_dir": opts.state_dir,
@@ -49,13 +54,21 @@ def vm_node_config(opts: BenchOptions, kind: str, kernel_dir: Path | None) -> No
     )
 
 
-async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> dict[str, Any]:
+async def microvm(
+    opts: BenchOptions,
+    count: int,
+    kernel_dir: Path | None,
+    only: str | None = None,
+    tcg_tb_mib: int | None = None,
+) -> dict[str, Any]:
+    """The scenario (see the module docstring); ``only="dax"``: the ``dax`` figure alone
+    (its own boot times and idle breakdown included), for A/B runs of memory changes."""
     from corral.node import Node
     from corral.spec import ExecRequest, ForkRequest, Limits, SandboxSpec
 
     store = LayerStore(opts.store_dir)
     image = await asyncio.to_thread(ensure_image, store, opts.image)
-    cfg = vm_node_config(opts, "microvm", kernel_dir)
+    cfg = vm_node_config(opts, "microvm", kernel_dir, tcg_tb_mib)
     limits = Limits(cpus=1, memory="256MiB", disk="1GiB")
     # latency: a TCG boot on idle CPU only would measure the host's other load
     spec = SandboxSpec(image=image.info.name, backend="microvm", limits=limits, qos="latency")
@@ -70,6 +83,11 @@ async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> di
         assert vm is not None
         out["accel"] = vm.status().accel
         out["accel_detail"] = vm.status().detail.get("accel_detail", "")
+        assert isinstance(vm, MicroVMBackend)
+        out["tcg_tb_mib"] = vm.config.tcg_tb_mib
+        if only == "dax":
+            out["dax"] = await dax_figure(node, vm, spec, count, opts.state_dir)
+            return out
 
         async def boot(s: SandboxSpec) -> float:
             t0 = time.perf_counter()
@@ -122,7 +140,6 @@ async def microvm(opts: BenchOptions, count: int, kernel_dir: Path | None) -> di
         for i in ids:
             await node.sandbox_destroy(i)
         ids.clear()
-        assert isinstance(vm, MicroVMBackend)
         out["dax"] = await dax_figure(node, vm, spec, count, opts.state_dir)
         say(f"container: {count} boots to first exec, one after another")
         cboots = [await boot(cspec) for _ in range(count)]

@@ -10,19 +10,24 @@ then the node's cgroups say what the N VMs hold together: their memory.current s
 first VM that read them; the files are dropped from the page cache before each set so
 no earlier reader holds them). ``ratio`` = shared / private, all of the VMs' memory;
 ``read_added_ratio`` the same for what reading added to the VMs booted and idle (under
-TCG each VM's idle memory includes QEMU's 64 MiB translation cache, which KVM has not).
+TCG each VM's idle memory includes QEMU's translation cache, tcg_tb_mib, which KVM has
+not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from corral.bench import microvm_mem
 from corral.bench.scenarios import say
+from corral.bench.stats import p50
 from corral.images.erofs import DAX
 from corral.images.store import LayerStore
 from corral.spec import ImageInfo
@@ -99,6 +104,9 @@ async def dax_figure(
     out["layers_mib"] = round(sum(p.stat().st_size for p in files) / (1 << 20), 1)
     held: dict[str, int] = {}
     idle: dict[str, int] = {}
+    boot_ms: dict[str, float] = {}
+    read_ms: dict[str, float] = {}
+    breakdown: dict[str, Any] = {}
     try:
         for mode, on in (("shared", True), ("private", False)):
             vm.config = saved.model_copy(update={"dax": on})
@@ -106,18 +114,27 @@ async def dax_figure(
             ids: list[str] = []
             say(f"microvm dax: {count} VMs reading the image's files, layers {mode}")
             try:
+                boots = []
                 for _ in range(count):
+                    t0 = time.perf_counter()
                     info = await node.sandbox_create(vspec)
+                    boots.append(time.perf_counter() - t0)
                     ids.append(info.id)
                     want = "dax" if on else "virtio-blk"
                     if info.layer_access != want:
                         raise RuntimeError(f"{info.id}: layers by {info.layer_access}, not {want}")
+                boot_ms[mode] = round(p50(boots) * 1000, 1)
                 idle[mode] = sum(node.cgroups.memory_current(i) for i in ids)
+                breakdown[mode] = await idle_breakdown(node, vm, ids[0])
+                reads = []
                 for i in ids:
+                    t0 = time.perf_counter()
                     r = await node.exec(i, ExecRequest(cmd=["sh", "-c", READ], timeout=600))
+                    reads.append(time.perf_counter() - t0)
                     if r.exit_code != 0:
                         raise RuntimeError(f"read in {i}: {r.reason} {r.stderr[:200]!r}")
                     out["read_mib"] = round(int(r.stdout.split()[0]) / (1 << 20), 1)
+                read_ms[mode] = round(p50(reads) * 1000, 1)
                 held[mode] = sum(node.cgroups.memory_current(i) for i in ids)
             finally:
                 for i in ids:
@@ -130,8 +147,30 @@ async def dax_figure(
     # what reading the files added (the VMs' own idle memory left out)
     grew = {m: held[m] - idle[m] for m in held}
     out["idle_mib"] = {m: round(v / (1 << 20), 1) for m, v in idle.items()}
+    out["idle_per_vm_mib"] = {m: round(v / count / (1 << 20), 1) for m, v in idle.items()}
+    out["boot_ms_p50"] = boot_ms
+    out["read_ms_p50"] = read_ms
+    out["idle_breakdown"] = breakdown
     out["read_added_mib"] = {m: round(v / (1 << 20), 1) for m, v in grew.items()}
     out["read_added_ratio"] = (
         round(grew["shared"] / grew["private"], 3) if grew["private"] > 0 else None
     )
     return out
+
+
+async def idle_breakdown(node: Node, vm: MicroVMBackend, sandbox_id: str) -> dict[str, Any]:
+    """Where one idle VM's host memory goes (:mod:`corral.bench.microvm_mem`): QEMU's
+    mappings by kind, the cgroup's charge by kind, the guest's own /proc/meminfo; MiB."""
+    from corral.spec import ExecRequest
+
+    pid = vm.vmm_pid(sandbox_id)
+    if pid is None:
+        return {}
+    argv = json.loads((vm.dir(sandbox_id) / "vm.json").read_text())["argv"]
+    r = await node.exec(sandbox_id, ExecRequest(cmd=["/.corral/busybox", "cat", "/proc/meminfo"]))
+    charged = node.cgroups.memory_breakdown(sandbox_id)
+    return {
+        "qemu_rss": microvm_mem.smaps_breakdown(pid, microvm_mem.ram_sizes(argv)),
+        "cgroup": {k: round(v / (1 << 20), 1) for k, v in charged.items()},
+        "guest": microvm_mem.guest_meminfo(r.text() if r.ok else ""),
+    }

@@ -11,8 +11,10 @@ Create, in order (each step undone if a later one fails):
   5. the first ping through it, within ``boot_timeout`` (else: the console's last lines
      in the error, the VMM killed, nothing left).
 
-The image's EROFS layers are given to the guest read-only as virtio-blk disks, straight
-from the layer store's files (one host page cache with every container using them).
+The image's EROFS layers are given to the guest read-only straight from the layer store's
+files (one host page cache with every container using them): mapped as pmem for DAX
+(:mod:`.dax`), or as virtio-blk disks where that cannot be laid out. Memory the guest frees
+goes back to the host (free page reporting, see :mod:`.qemu`).
 
 Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0`` the node
 attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
@@ -24,8 +26,8 @@ each child restored from it (:meth:`_create_fork`). Snapshot to a store layer: t
 writable layer is an ext4 image the host never mounts, so the guest streams its overlay
 upper dir (bound read-only at ``/.corral/upper`` by the initramfs) out through the agent
 as a tar (``/.corral/tar``), the node unpacks it with its own checks into a scratch
-subvolume and packs that as containers do (:meth:`_copy_upper`, :meth:`pack`). Not yet:
-virtio-pmem with DAX for the layers (why: docs/design-notes.md, "MicroVMs").
+subvolume and packs that as containers do (:meth:`_copy_upper`, :meth:`pack`), the
+guest's processes frozen meanwhile by the guest itself (:mod:`.freeze`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import dax, guest, qemu
+from corral.backends.microvm import dax, freeze, guest, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
@@ -358,6 +360,7 @@ class MicroVMBackend:
             runas=f"{uid}:{uid}",
             dns=self._resolver(),
             hostname=spec.hostname,
+            tb_mib=self.config.tcg_tb_mib,
         )
 
     def _layer_access(self, sandbox_id: str) -> str:
@@ -666,6 +669,13 @@ class MicroVMBackend:
             qmp_sock=d / "qmp.sock",
         )
         argv = self._vm_argv(files, spec, max(64, int(spec.limits.memory) >> 20), self._uid)
+        # the parent's command line (its vm.json, in the copy): the migrated state has its
+        # devices, so a parent started before free page reporting gives children without
+        try:
+            parent = json.loads((d / "vm.json").read_text())["argv"]
+        except (OSError, ValueError, KeyError):
+            parent = argv
+        argv = qemu.devices_as_in(argv, parent)
         (d / "vm.json").write_text(json.dumps({"argv": argv, "qos": spec.qos}))
         mux = self._new_mux(sandbox_id)
         with phases.phase("runtime_start"):
@@ -697,9 +707,10 @@ class MicroVMBackend:
         (:func:`corral.images.uppertar.unpack_upper`: the archive is the guest's, so
         untrusted). The host never mounts the guest's disk.
 
-        Not frozen: the guest runs on while its files are read (QMP ``stop`` would stop the
-        agent too), so a file written meanwhile may be caught half done; each file is read
-        once, at the size it had when listed. Returns 0.0 (no time held frozen)."""
+        The guest's user processes are frozen meanwhile by the guest itself (its cgroup2
+        freezer, :mod:`.freeze`: QMP ``stop`` would stop the agent too), thawed when the
+        stream ends, and by a second exec if the stream was cut. Returns 0.0 (the host
+        held nothing frozen)."""
         if self.saved(sandbox_id) or self.cgroups.is_frozen(sandbox_id):
             raise Conflict(
                 f"sandbox {sandbox_id} is paused: resume it before a snapshot of a microVM "
@@ -715,21 +726,27 @@ class MicroVMBackend:
         err = bytearray()
         got = 0
         stream = self.agent(sandbox_id).stream(
-            [_TAR, _UPPER],
+            freeze.snapshot_argv(_TAR, _UPPER),
             env={"PATH": "/usr/bin:/bin"},
             output_limit=limit,
             timeout=_SNAPSHOT_TIMEOUT,
             keep_output=False,
         )
-        # Safe: a new file in the node's own new scratch subvolume.
-        with open(archive, "wb") as f:
-            async with stream:
-                async for kind, data in stream:
-                    if kind == "stdout":
-                        got += len(data)
-                        await asyncio.to_thread(f.write, data)
-                    elif len(err) < 4096:
-                        err += data[: 4096 - len(err)]
+        ended = False
+        try:
+            # Safe: a new file in the node's own new scratch subvolume.
+            with open(archive, "wb") as f:
+                async with stream:
+                    async for kind, data in stream:
+                        if kind == "stdout":
+                            got += len(data)
+                            await asyncio.to_thread(f.write, data)
+                        elif len(err) < 4096:
+                            err += data[: 4096 - len(err)]
+            ended = stream.result.reason == "exited"
+        finally:
+            if not ended:  # killed (no trap ran in the guest) or cut: thaw from outside
+                await self._thaw_guest(sandbox_id)
         r = stream.result
         if r.reason == "output_limit" or got > limit:
             raise SandboxError(
@@ -758,6 +775,16 @@ class MicroVMBackend:
                 f"snapshot of {sandbox_id}: unpacking the guest's files failed: {e}"
             ) from None
         return 0.0
+
+    async def _thaw_guest(self, sandbox_id: str) -> None:
+        """Undo a snapshot's freeze in the guest (:data:`.freeze.THAW`); a guest that
+        cannot be reached is logged (its next snapshot thaws first)."""
+        try:
+            r = await self.agent(sandbox_id).exec(freeze.thaw_argv(), env={}, timeout=60)
+            if r.code != 0:
+                log.warning("thaw of %s after a snapshot: %r", sandbox_id, r.stderr[-300:])
+        except Exception as e:  # the stream's own error is the one to report
+            log.warning("thaw of %s after a snapshot failed: %s", sandbox_id, e)
 
     async def pack(self, work: str, *, source: str, max_bytes: int) -> LayerInfo:
         """The guest's upper dir, unpacked by :meth:`_copy_upper` (owners already the

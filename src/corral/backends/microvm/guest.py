@@ -51,9 +51,11 @@ MODULES = (
     "overlay",
     "nd_pmem",
     "nd_e820",
+    "virtio_balloon",
 )
 """Modules the guest loads (their dependencies come first, from modules.dep); nd_pmem and
-nd_e820 make the layer ranges of a DAX boot (corral.backends.microvm.dax) /dev/pmem*."""
+nd_e820 make the layer ranges of a DAX boot (corral.backends.microvm.dax) /dev/pmem*;
+virtio_balloon reports the pages the guest frees to the host (free page reporting)."""
 
 BUSYBOX = Path("/bin/busybox")
 """Debian's busybox-static."""

@@ -33,6 +33,7 @@ __all__ = [
     "QEMU",
     "TAP",
     "VMFiles",
+    "devices_as_in",
     "mac_of",
     "probe_accel",
     "trampoline",
@@ -52,6 +53,9 @@ range, which a node subnet is unlikely to overlap."""
 # QEMU 7.2 installs its filter before it daemonizes (a fork) and drops to -runas (setuid),
 # so spawn=deny and elevateprivileges=deny would kill it at start (SIGSYS, seen here).
 _SANDBOX = "on,obsolete=deny,resourcecontrol=deny"
+
+_BALLOON = "virtio-balloon-device,free-page-reporting=on"
+"""Free page reporting, no balloon ever inflated (see :func:`vm_argv`)."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,12 @@ def vm_argv(
     qemu: str = QEMU,
     dns: str | None = None,
     hostname: str | None = None,
+    tb_mib: int = 16,
 ) -> list[str]:
     """The full QEMU command line of one VM, to be run with the sandbox dir
     (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
-    /etc/resolv.conf names (the node's); ``hostname``: the guest's."""
+    /etc/resolv.conf names (the node's); ``hostname``: the guest's; ``tb_mib``: TCG's
+    translation cache (MiB)."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
     if files.dax is not None:
         append += " corral.dax=1 " + " ".join(files.dax.kernel_args)
@@ -113,7 +119,7 @@ def vm_argv(
         # pcie=on for DAX: the guest kernel inserts the pmem ranges in its PCI survey
         "microvm,isa-serial=on" + (",pcie=on" if files.dax is not None else ""),
         "-accel",
-        "tcg,tb-size=64" if accel == "tcg" else accel,
+        f"tcg,tb-size={tb_mib}" if accel == "tcg" else accel,
         "-cpu",
         "max" if accel == "tcg" else "host",
         *(files.dax.argv if files.dax is not None else ["-m", str(memory_mib)]),
@@ -133,6 +139,13 @@ def vm_argv(
         f"file,id=con,path={files.console}",
         "-serial",
         "chardev:con",
+        # Free page reporting: the guest hands 2 MiB blocks it frees (the unpacked
+        # initramfs after switch_root, the boot's transient allocations, page cache it
+        # drops) back to QEMU, which discards them (MADV_DONTNEED): a freed guest page
+        # stops counting on the host. Only guest RAM is ever reported (the DAX layer
+        # ranges are not the guest allocator's).
+        "-device",
+        _BALLOON,
         "-device",
         "virtio-serial-device",
         "-chardev",
@@ -181,6 +194,16 @@ def vm_argv(
     if runas is not None:
         argv += ["-runas", runas]
     return argv
+
+
+def devices_as_in(argv: list[str], parent: list[str]) -> list[str]:
+    """``argv`` (a fork child's) without the balloon device if ``parent`` (the command
+    line the migrated state came from) had none: a VM started before free page reporting
+    was added; restoring its state into a machine with an extra device fails."""
+    if _BALLOON in parent or _BALLOON not in argv:
+        return argv
+    i = argv.index(_BALLOON)
+    return argv[: i - 1] + argv[i + 1 :]
 
 
 def host_tsc_khz() -> int | None:

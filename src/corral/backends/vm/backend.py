@@ -91,6 +91,7 @@ class VMBackend(MicroVMBackend):
             height=size.height,
             dns=self._resolver(),
             hostname=spec.hostname,
+            tb_mib=self.config.tcg_tb_mib,
         )
 
     async def create(

@@ -63,6 +63,7 @@ def vm_argv(
     binary: str = qemu.QEMU,
     dns: str | None = None,
     hostname: str | None = None,
+    tb_mib: int = 64,
 ) -> list[str]:
     """The full QEMU command line of one desktop VM (same files, jail and network as a
     microVM: the tap the trampoline made in the VMM's netns, see qemu.vm_argv)."""
@@ -81,7 +82,7 @@ def vm_argv(
     argv = [
         binary,
         *("-M", "q35,i8042=off"),
-        *("-accel", "tcg,tb-size=64" if accel == "tcg" else accel),
+        *("-accel", f"tcg,tb-size={tb_mib}" if accel == "tcg" else accel),
         *("-cpu", "max" if accel == "tcg" else "host"),
         *("-m", str(memory_mib), "-smp", str(cpus)),
         *("-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"),
