@@ -21,7 +21,8 @@ Each attack runs in a fresh best-effort sandbox of its own with bounded limits f
 ``seconds`` and is destroyed after it (``destroy_s``: how long that took). The attacks:
 fork bomb, memory bomb (allocate until OOM, again and again), disk fill (``yes > file``),
 output flood (``yes`` as an exec whose output the node must cap, asked for by two client
-processes of their own, as a trainer's would be), inotify exhaustion, fd
+processes of their own, as a trainer's would be; ``flood_s``: each exec as its client saw
+it), inotify exhaustion, fd
 exhaustion, and a busy loop on every core. The attack scripts use python3 (inotify and
 fd exhaustion have no shell tool), so the image must have it ('python' builds one).
 
@@ -132,14 +133,16 @@ for b_ in bad:
 _ATTACKER_LIMITS = {"memory": "256MiB", "pids": 256, "disk": "64MiB"}
 
 _FLOOD_CLIENT = """
-import asyncio, json, sys
+import asyncio, json, sys, time
 from corral.sdk import AsyncClient
 
 async def main(address, sandbox_id, timeout):
     async with AsyncClient(address) as client:
         sb = await client.sandboxes.get(sandbox_id)
+        t0 = time.perf_counter()
         r = await sb.exec(["yes"], timeout=timeout, output_limit="64MiB")
-        print(json.dumps({"truncated": r.truncated, "bytes": len(r.stdout)}))
+        s = time.perf_counter() - t0
+        print(json.dumps({"truncated": r.truncated, "bytes": len(r.stdout), "seconds": s}))
 
 asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 """
@@ -149,6 +152,8 @@ asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 class _FloodAnswer:
     truncated: bool
     bytes: int
+    seconds: float
+    """The exec call as its client saw it: request to the last byte of its answer."""
 
 
 async def _flood(address: str, sandbox_id: str, timeout: float) -> _FloodAnswer:
@@ -374,6 +379,7 @@ async def _one_attack(
             try:
                 r = await t
                 res["flood_truncated"] = bool(r.truncated)
+                res.setdefault("flood_s", []).append(round(r.seconds, 3))
             except BaseException as e:  # noqa: BLE001 - reported: why the flood has no answer
                 res.setdefault("flood_errors", []).append(f"{type(e).__name__}: {e}"[:300])
     with contextlib.suppress(SandboxNotFound):  # gone entirely: as good as destroyed

@@ -1,0 +1,147 @@
+"""``InitClient.exec`` reads its answer straight off the socket (no StreamReader) and joins
+a big output in a worker thread: against a scripted fake init on a unix socket, frames
+cut at any byte arrive whole, a big output is joined exactly, a big stdin is sent beside
+the reads, and a broken or refusing init is still a clear SandboxError."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from corral.backends import initclient
+from corral.backends.initclient import InitClient, _field, _frame
+from corral.errors import SandboxError
+
+ENV = {"PATH": "/usr/bin:/bin"}
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _request(r: asyncio.StreamReader) -> bytes:
+    """The Q frame's payload."""
+    n = int.from_bytes(await r.readexactly(4), "big")
+    assert (await r.readexactly(1)) == b"Q"
+    return await r.readexactly(n - 1)
+
+
+def _exit(code: int, **more: bytes) -> bytes:
+    tags = {"out_trunc": initclient.OUT_TRUNC, "out_len": initclient.OUT_LEN}
+    body = _field(initclient.REASON, "exited") + _field(initclient.CODE, code)
+    body += b"".join(_field(tags[k], v) for k, v in more.items())
+    return _frame(b"X"[0], body)
+
+
+@pytest.fixture
+async def fake(tmp_path: Path) -> AsyncIterator[Callable[[Script], Awaitable[InitClient]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(script: Script) -> InitClient:
+        path = tmp_path / f"ctl{len(servers)}.sock"
+
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await script(r, w)
+            finally:
+                w.close()
+
+        servers.append(await asyncio.start_unix_server(serve, path))
+        return InitClient(path)
+
+    yield start
+    for s in servers:
+        s.close()
+        await s.wait_closed()
+
+
+async def _dribble(w: asyncio.StreamWriter, data: bytes, step: int) -> None:
+    """Write ``data`` in pieces of ``step`` bytes, each flushed: frames cut anywhere."""
+    for i in range(0, len(data), step):
+        w.write(data[i : i + step])
+        await w.drain()
+
+
+async def test_frames_cut_anywhere_arrive_whole(fake) -> None:  # type: ignore[no-untyped-def]
+    answer = _frame(b"S"[0], _field(initclient.PID, 42))
+    answer += _frame(b"O"[0], b"hello ") + _frame(b"E"[0], b"oops\n") + _frame(b"O"[0], b"world\n")
+    answer += _exit(3)
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        await _dribble(w, answer, 3)
+
+    init = await fake(script)
+    res = await init.exec(["x"], env=ENV)
+    assert (res.reason, res.code, res.pid) == ("exited", 3, 42)
+    assert (res.stdout, res.stderr) == (b"hello world\n", b"oops\n")
+
+
+async def test_big_output_is_joined_exactly(fake) -> None:  # type: ignore[no-untyped-def]
+    pieces = [os.urandom(65536) for _ in range(40)]  # 2.5 MiB: past the threaded join's bar
+    assert sum(map(len, pieces)) >= initclient._THREAD_JOIN
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"S"[0], _field(initclient.PID, 7)))
+        for p in pieces:
+            w.write(_frame(b"O"[0], p))
+            await w.drain()
+        w.write(_exit(0, out_trunc=b"1", out_len=b"9999999"))
+
+    init = await fake(script)
+    res = await init.exec(["yes"], env=ENV, output_limit=len(pieces) * 65536)
+    assert res.stdout == b"".join(pieces)
+    assert (res.stderr, res.out_trunc, res.out_len) == (b"", True, 9999999)
+
+
+async def test_big_stdin_is_sent_beside_the_reads(fake) -> None:  # type: ignore[no-untyped-def]
+    data = os.urandom(5 << 20)  # more than a unix socket takes in one send
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"S"[0], _field(initclient.PID, 1)))
+        got = bytearray()
+        while True:
+            n = int.from_bytes(await r.readexactly(4), "big")
+            assert (await r.readexactly(1)) == b"I"
+            chunk = await r.readexactly(n - 1)
+            if not chunk:
+                break
+            got += chunk
+        w.write(_frame(b"O"[0], str(len(got)).encode()) + _exit(0))
+        assert bytes(got) == data
+
+    init = await fake(script)
+    res = await init.exec(["cat"], env=ENV, stdin=data)
+    assert res.stdout == str(len(data)).encode()
+
+
+async def test_a_closed_or_refusing_init_is_a_clear_error(fake) -> None:  # type: ignore[no-untyped-def]
+    async def closes(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"S"[0], _field(initclient.PID, 1)) + b"\0\0")  # then a cut header
+
+    async def refuses(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"R"[0], _field(initclient.MESSAGE, "no such user")))
+
+    async def bad_length(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write((1 << 30).to_bytes(4, "big") + b"O")
+
+    init = await fake(closes)
+    with pytest.raises(SandboxError, match="closed the connection before answering exec"):
+        await init.exec(["x"], env=ENV)
+    init = await fake(refuses)
+    with pytest.raises(SandboxError, match="refused exec: no such user"):
+        await init.exec(["x"], env=ENV)
+    init = await fake(bad_length)
+    with pytest.raises(SandboxError, match="bad frame length"):
+        await init.exec(["x"], env=ENV)
+
+
+async def test_no_socket_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SandboxError, match="does not exist"):
+        await InitClient(tmp_path / "none.sock").exec(["x"], env=ENV)
