@@ -882,10 +882,13 @@ def test_v1_create_writes_limits(make_kernel: KernelFactory, v1mode: str, how: s
     assert read(cpu / "cpu.cfs_quota_us") == "150000"
     assert read(cpu / "cpu.cfs_period_us") == "100000"
     assert (k.path("freezer") / "corral" / "sb-1").is_dir()
-    # cpuset: cpus and mems copied down, or the cgroup would take no task
+    # cpuset and blkio: no limit, so no cgroup per sandbox (the top is prepared, with cpus
+    # and mems copied down, for an OCI runtime's sandbox cgroup)
     cs = k.path("cpuset") / "corral"
-    assert read(cs / "cpuset.cpus") == read(cs / "sb-1" / "cpuset.cpus") == "0-1"
-    assert read(cs / "cpuset.mems") == read(cs / "sb-1" / "cpuset.mems") == "0"
+    assert read(cs / "cpuset.cpus") == "0-1" and read(cs / "cpuset.mems") == "0"
+    assert not (cs / "sb-1").exists()
+    assert not (k.path("blkio") / "corral" / "sb-1").exists()
+    assert not any("cpuset" in str(p) or "blkio" in str(p) for p in cg.procs_files("sb-1"))
     assert cg.list() == ["sb-1"] and cg.exists("sb-1")
 
     cg.create("sb-2", cpus=0, memory=64 << 20, pids=8, swap=None)
@@ -943,9 +946,11 @@ def test_v1_counters(make_kernel: KernelFactory, v1mode: str, how: str) -> None:
     assert cg.pids_current("sb-1") == 3
     cg.add_pid("sb-1", 1)
     assert cg.procs("sb-1") == [1]
-    for ctrl in ("memory", "cpu", "pids", "freezer", "cpuset", "blkio"):
+    for ctrl in ("memory", "cpu", "pids", "freezer"):
         assert read(k.path(ctrl) / "corral" / "sb-1" / "cgroup.procs") == "1", ctrl
         assert read(k.path(ctrl) / "cgroup.procs") == "", ctrl
+    for ctrl in ("cpuset", "blkio"):  # no cgroup of its own there: stays in the node's
+        assert not (k.path(ctrl) / "corral" / "sb-1").exists(), ctrl
 
 
 def test_v1_freeze_thaw(make_kernel: KernelFactory, v1mode: str) -> None:
@@ -1017,7 +1022,7 @@ def test_v1_cpu_classes_by_path(make_kernel: KernelFactory, v1mode: str) -> None
     assert cg.procs("sb-lat") == [8]
     assert read(cpu / "corral-latency" / "sb-lat" / "cpu.cfs_quota_us") == "100000"
     cs = k.path("cpuset") / "corral-latency"
-    assert read(cs / "cpuset.cpus") == read(cs / "sb-lat" / "cpuset.cpus") == "0-1"
+    assert read(cs / "cpuset.cpus") == "0-1" and not (cs / "sb-lat").exists()
     assert cg.list() == ["sb-be", "sb-lat"]
     for procs in k.root.rglob("cgroup.procs"):  # the init exited
         procs.write_text("")
