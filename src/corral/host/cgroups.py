@@ -36,7 +36,7 @@ that grows with the count: a v1 cpuset with ``sched_load_balance`` (the default)
 the scheduler domains, walking every cpuset on the host, when it goes away. The sandbox
 stays in the node's cgroup of these (an OCI runtime still makes its own: crun/runc)."""
 _V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
-_CFS_PERIOD = 100_000  # µs; the kernel's default period
+_CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
 
 
 _ROOT = Path("/sys/fs/cgroup")
@@ -349,15 +349,19 @@ class Cgroups:
     def _create_v1(
         self, top: str, name: str, cpus: float, memory: int, pids: int, swap: int | None
     ) -> None:
+        fresh = True
         for ctrl in self._own():
             d = self._ctrl[ctrl] / top / _check_name(name)
             try:
                 d.mkdir()
             except FileExistsError:
-                pass
+                fresh = False
         cpu = self._dir("cpu", name)
         if cpus > 0:
-            self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
+            # A new cgroup has the default period already; each write of either file walks
+            # every cpu cgroup on the host (tg_set_cfs_bandwidth -> __cfs_schedulable).
+            if not fresh:
+                self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
             self._write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * _CFS_PERIOD))))
         else:
             # The cgroup may exist already (create again): drop an old quota.
