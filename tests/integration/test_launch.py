@@ -322,6 +322,7 @@ async def test_no_network_sandboxes_share_one_readonly_sysfs(rt_node) -> None:  
     assert devs[0] == devs[1], devs  # one superblock
     for out in outs:
         assert not host_ifaces & set(out.split()), (host_ifaces, out)
+        assert out.split()[0] == "lo", out  # the template's (the node holds its netns)
         assert "SYS-WRITABLE" not in out and "SYS-REMOUNTED" not in out, out
         # The host's devices, as before.
         cpus = [c for c in os.listdir("/sys/devices/system/cpu") if c[3:].isdigit()]

@@ -374,6 +374,7 @@ class Launcher:
         self._bpf: dict[str, tuple[bytes, int]] = {}
         self._bpf_by_id: dict[int, tuple[dict[str, Any], tuple[bytes, int]]] = {}
         self._template = -1
+        self._template_net = -1
         self._tree: Path | None = None
         self._tree_names: set[str] = set()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -422,6 +423,10 @@ class Launcher:
                 why = (ready + proc.stdout.read()).decode(errors="replace").strip()
                 raise HostError(f"corral-launch: the template mount namespace: {why}")
             self._template = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            # The template's sysfs (bound by no-network sandboxes) holds its network
+            # namespace only passively: kept alive here, so /sys/class/net shows its `lo`
+            # (down; never the host's interfaces) as a sysfs of the sandbox's own did.
+            self._template_net = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             proc.stdin.close()
             proc.stdout.close()
@@ -432,6 +437,9 @@ class Launcher:
         if self._template >= 0:
             os.close(self._template)
             self._template = -1
+        if self._template_net >= 0:
+            os.close(self._template_net)
+            self._template_net = -1
         for _, fd in self._bpf.values():
             os.close(fd)
         self._bpf.clear()
