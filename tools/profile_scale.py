@@ -72,6 +72,8 @@ def run(args: argparse.Namespace, out: Path) -> None:
     ]
     if args.image:
         bench += ["--image", args.image]
+    if args.store:
+        bench += ["--store", str(args.store)]
     perf = [
         "perf",
         "record",
@@ -235,6 +237,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=400)
     ap.add_argument("--image", default=None)
     ap.add_argument("--tag", default="prof", help="bench state/run dir and cgroup suffix")
+    ap.add_argument("--store", type=Path, help="an image store to share between tags")
     ap.add_argument("--out", type=Path, default=Path("/tmp/corral-profile"))
     ap.add_argument("--report", type=Path, help="only analyse an earlier --out")
     ap.add_argument("--top", type=int, default=25)
