@@ -398,10 +398,13 @@ async def test_network_none_is_loopback_only(rt_node) -> None:  # type: ignore[n
             rt_node,
             sid,
             "ls /sys/class/net; tail -n +3 /proc/net/dev | cut -d: -f1; "
-            "cat /sys/class/net/lo/flags",
+            "cat /sys/class/net/lo/flags; ip -o link show lo",
         )
-    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK).
-    assert r.stdout.decode().split() == ["lo", "lo", "0x9"]
+    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK). With the launcher /sys is
+    # the template's (its own lo, up too); `ip` asks the sandbox's own namespace.
+    out = r.stdout.decode()
+    assert out.split()[:3] == ["lo", "lo", "0x9"], out
+    assert "LOOPBACK,UP" in out, out
 
 
 async def test_readonly_rootfs(rt_node) -> None:  # type: ignore[no-untyped-def]

@@ -425,7 +425,7 @@ class Launcher:
             self._template = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
             # The template's sysfs (bound by no-network sandboxes) holds its network
             # namespace only passively: kept alive here, so /sys/class/net shows its `lo`
-            # (down; never the host's interfaces) as a sysfs of the sandbox's own did.
+            # (up; never the host's interfaces) as a sysfs of the sandbox's own did.
             self._template_net = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             proc.stdin.close()

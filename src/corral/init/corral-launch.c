@@ -33,9 +33,10 @@
  *   corral-launch -T DIR
  * makes the template mount namespace (a read-only tmpfs with fully visible proc and sysfs
  * mounts, which mounting a new proc or sysfs in a user namespace requires, and an empty
- * `rootfs` directory; the sysfs is of a loopback-only network namespace of its own, and
- * no-network sandboxes bind it: step tbind), pivoted into with DIR as a scratch mountpoint; says "READY" on
- * fd 1 and waits for EOF on fd 0, while the node opens /proc/<pid>/ns/mnt.
+ * `rootfs` directory; the sysfs is of a loopback-only network namespace of its own, lo
+ * up, and no-network sandboxes bind it: step tbind), pivoted into with DIR as a scratch
+ * mountpoint; says "READY" on fd 1 and waits for EOF on fd 0, while the node opens
+ * /proc/<pid>/ns/mnt and /proc/<pid>/ns/net.
  * Steps (inside the new namespaces, paths relative to the rootfs, resolved in it):
  *   root:PATH               the rootfs (host path); first step. PATH `-`: the detached
  *                           mount on fd 6 (the node's fsmount of the overlay), moved onto
@@ -740,6 +741,9 @@ static int make_template(const char *dir)
 	 * shows no host interface and no other sandbox's. */
 	if (unshare(CLONE_NEWNET) < 0)
 		die("unshare(CLONE_NEWNET)");
+	/* Up, as every sandbox's own loopback is: its sysfs entry is what they read. */
+	loopback_up();
+	at("template");
 	if (mount("sysfs", "sys", "sysfs", 0, NULL) < 0)
 		die("mount sysfs");
 	if (syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0)
