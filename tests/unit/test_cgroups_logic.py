@@ -897,6 +897,25 @@ def test_v1_create_writes_limits(make_kernel: KernelFactory, v1mode: str, how: s
     assert read(mem2 / "memory.memsw.limit_in_bytes") == _UNLIMITED
 
 
+def test_v1_new_cgroup_keeps_the_default_period(make_kernel: KernelFactory) -> None:
+    """Each CFS write walks every cpu cgroup on the host: a new cgroup gets the quota only
+    (its period is the default); an existing one gets both, as it may have another."""
+    k = make_kernel("v1")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", cpus=0.5, memory=32 << 20, pids=10, swap=0)
+    cpu = k.path("cpu") / "corral" / "sb-1"
+    names = [p.name for p, _ in k.writes if p.parent == cpu]
+    assert "cpu.cfs_quota_us" in names and "cpu.cfs_period_us" not in names
+    (cpu / "cpu.cfs_period_us").write_text("50000\n")
+    n = len(k.writes)
+    cg.create("sb-1", cpus=0.5, memory=32 << 20, pids=10, swap=0)
+    assert read(cpu / "cpu.cfs_period_us") == "100000"
+    assert [p.name for p, _ in k.writes[n:] if p.parent == cpu] == [
+        "cpu.cfs_period_us",
+        "cpu.cfs_quota_us",
+    ]
+
+
 def test_v1_create_is_idempotent(make_kernel: KernelFactory) -> None:
     k = make_kernel("v1")
     cg = open_cg(k, "mountinfo")

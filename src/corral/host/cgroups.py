@@ -349,14 +349,16 @@ class Cgroups:
     def _create_v1(
         self, top: str, name: str, cpus: float, memory: int, pids: int, swap: int | None
     ) -> None:
-        fresh = True
+        made: set[Path] = set()
         for ctrl in self._own():
             d = self._ctrl[ctrl] / top / _check_name(name)
             try:
                 d.mkdir()
+                made.add(d)
             except FileExistsError:
-                fresh = False
+                pass  # cpu and cpuacct share a hierarchy; or create again
         cpu = self._dir("cpu", name)
+        fresh = cpu in made
         if cpus > 0:
             # A new cgroup has the default period already; each write of either file walks
             # every cpu cgroup on the host (tg_set_cfs_bandwidth -> __cfs_schedulable).
