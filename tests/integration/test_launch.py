@@ -246,7 +246,8 @@ def ln_fstype(line: str) -> str:
 async def test_fewer_superblocks_same_properties(rt_node) -> None:  # type: ignore[no-untyped-def]
     """Launcher: /dev/shm is a directory of the /dev tmpfs (sticky, world-writable; /dev
     is nosuid, nodev, noexec as /dev/shm was, and holds both sizes), and /sys/fs/cgroup a
-    read-only bind of one node-wide tree: 6 superblocks per sandbox, not 8. Each still
+    read-only bind of one node-wide tree: 6 superblocks per sandbox, not 8 (5: the sysfs
+    is the template's, see the next test). Each still
     refuses what it refused: no write to /sys/fs/cgroup, no exec or device from /dev/shm,
     shm_open-style files work and count against the sandbox's memory."""
     async with sandbox(rt_node) as sid:
@@ -286,6 +287,46 @@ async def test_fewer_superblocks_same_properties(rt_node) -> None:  # type: igno
     assert "memory" in out and str(Limits().memory) in out, out
     # 64 MiB of /dev/shm as before (+ /dev's own 64 KiB): 70 MiB do not fit.
     assert "No space left" in out, out
+
+
+@pytest.mark.parametrize("rt_node", ["launch"], indirect=True)
+async def test_no_network_sandboxes_share_one_readonly_sysfs(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher, no network: /sys is a read-only bind of the template's sysfs (one
+    superblock for all, made in a loopback-only network namespace of its own), not a
+    sysfs each: not the host's (no host interface shows), the same in two sandboxes,
+    still read-only, nosuid, nodev, noexec, and writable by no guest."""
+    backend = rt_node.backends.get("container")
+    host_dev = os.stat("/sys").st_dev
+    host_ifaces = set(os.listdir("/sys/class/net")) - {"lo"}
+    devs, outs = [], []
+    async with sandbox(rt_node) as a, sandbox(rt_node) as b:
+        for sid in (a, b):
+            pid = backend.init_pid(sid)
+            (line,) = [
+                ln
+                for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+                if ln.split()[4] == "/sys"
+            ]
+            assert ln_fstype(line) == "sysfs" and line.split()[3] == "/", line
+            assert {"ro", "nosuid", "nodev", "noexec"} <= set(line.split()[5].split(",")), line
+            devs.append(line.split()[2])
+            assert os.stat(f"/proc/{pid}/root/sys").st_dev != host_dev
+            r = await sh(
+                rt_node,
+                sid,
+                "ls /sys/class/net; ls /sys/devices/system/cpu | grep -c '^cpu[0-9]'; "
+                "echo 1 > /sys/kernel/uevent_helper 2>/dev/null && echo SYS-WRITABLE; "
+                "mount -o remount,rw /sys 2>/dev/null && echo SYS-REMOUNTED; true",
+            )
+            outs.append(r.stdout.decode())
+    assert devs[0] == devs[1], devs  # one superblock
+    for out in outs:
+        assert not host_ifaces & set(out.split()), (host_ifaces, out)
+        assert out.split()[0] == "lo", out  # the template's (the node holds its netns)
+        assert "SYS-WRITABLE" not in out and "SYS-REMOUNTED" not in out, out
+        # The host's devices, as before.
+        cpus = [c for c in os.listdir("/sys/devices/system/cpu") if c[3:].isdigit()]
+        assert int(out.split()[-1]) == len(cpus), out
 
 
 async def test_masked_dirs_are_binds_of_the_empty_init_dir(rt_node) -> None:  # type: ignore[no-untyped-def]
@@ -357,10 +398,13 @@ async def test_network_none_is_loopback_only(rt_node) -> None:  # type: ignore[n
             rt_node,
             sid,
             "ls /sys/class/net; tail -n +3 /proc/net/dev | cut -d: -f1; "
-            "cat /sys/class/net/lo/flags",
+            "cat /sys/class/net/lo/flags; ip -o link show lo",
         )
-    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK).
-    assert r.stdout.decode().split() == ["lo", "lo", "0x9"]
+    # Only loopback, and it is up (0x9: IFF_UP | IFF_LOOPBACK). With the launcher /sys is
+    # the template's (its own lo, up too); `ip` asks the sandbox's own namespace.
+    out = r.stdout.decode()
+    assert out.split()[:3] == ["lo", "lo", "0x9"], out
+    assert "LOOPBACK,UP" in out, out
 
 
 async def test_readonly_rootfs(rt_node) -> None:  # type: ignore[no-untyped-def]

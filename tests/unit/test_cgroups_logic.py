@@ -882,16 +882,38 @@ def test_v1_create_writes_limits(make_kernel: KernelFactory, v1mode: str, how: s
     assert read(cpu / "cpu.cfs_quota_us") == "150000"
     assert read(cpu / "cpu.cfs_period_us") == "100000"
     assert (k.path("freezer") / "corral" / "sb-1").is_dir()
-    # cpuset: cpus and mems copied down, or the cgroup would take no task
+    # cpuset and blkio: no limit, so no cgroup per sandbox (the top is prepared, with cpus
+    # and mems copied down, for an OCI runtime's sandbox cgroup)
     cs = k.path("cpuset") / "corral"
-    assert read(cs / "cpuset.cpus") == read(cs / "sb-1" / "cpuset.cpus") == "0-1"
-    assert read(cs / "cpuset.mems") == read(cs / "sb-1" / "cpuset.mems") == "0"
+    assert read(cs / "cpuset.cpus") == "0-1" and read(cs / "cpuset.mems") == "0"
+    assert not (cs / "sb-1").exists()
+    assert not (k.path("blkio") / "corral" / "sb-1").exists()
+    assert not any("cpuset" in str(p) or "blkio" in str(p) for p in cg.procs_files("sb-1"))
     assert cg.list() == ["sb-1"] and cg.exists("sb-1")
 
     cg.create("sb-2", cpus=0, memory=64 << 20, pids=8, swap=None)
     mem2 = k.path("memory") / "corral" / "sb-2"
     assert read(k.path("cpu") / "corral" / "sb-2" / "cpu.cfs_quota_us") == "-1"
     assert read(mem2 / "memory.memsw.limit_in_bytes") == _UNLIMITED
+
+
+def test_v1_new_cgroup_keeps_the_default_period(make_kernel: KernelFactory) -> None:
+    """Each CFS write walks every cpu cgroup on the host: a new cgroup gets the quota only
+    (its period is the default); an existing one gets both, as it may have another."""
+    k = make_kernel("v1")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", cpus=0.5, memory=32 << 20, pids=10, swap=0)
+    cpu = k.path("cpu") / "corral" / "sb-1"
+    names = [p.name for p, _ in k.writes if p.parent == cpu]
+    assert "cpu.cfs_quota_us" in names and "cpu.cfs_period_us" not in names
+    (cpu / "cpu.cfs_period_us").write_text("50000\n")
+    n = len(k.writes)
+    cg.create("sb-1", cpus=0.5, memory=32 << 20, pids=10, swap=0)
+    assert read(cpu / "cpu.cfs_period_us") == "100000"
+    assert [p.name for p, _ in k.writes[n:] if p.parent == cpu] == [
+        "cpu.cfs_period_us",
+        "cpu.cfs_quota_us",
+    ]
 
 
 def test_v1_create_is_idempotent(make_kernel: KernelFactory) -> None:
@@ -943,9 +965,11 @@ def test_v1_counters(make_kernel: KernelFactory, v1mode: str, how: str) -> None:
     assert cg.pids_current("sb-1") == 3
     cg.add_pid("sb-1", 1)
     assert cg.procs("sb-1") == [1]
-    for ctrl in ("memory", "cpu", "pids", "freezer", "cpuset", "blkio"):
+    for ctrl in ("memory", "cpu", "pids", "freezer"):
         assert read(k.path(ctrl) / "corral" / "sb-1" / "cgroup.procs") == "1", ctrl
         assert read(k.path(ctrl) / "cgroup.procs") == "", ctrl
+    for ctrl in ("cpuset", "blkio"):  # no cgroup of its own there: stays in the node's
+        assert not (k.path(ctrl) / "corral" / "sb-1").exists(), ctrl
 
 
 def test_v1_freeze_thaw(make_kernel: KernelFactory, v1mode: str) -> None:
@@ -1017,7 +1041,7 @@ def test_v1_cpu_classes_by_path(make_kernel: KernelFactory, v1mode: str) -> None
     assert cg.procs("sb-lat") == [8]
     assert read(cpu / "corral-latency" / "sb-lat" / "cpu.cfs_quota_us") == "100000"
     cs = k.path("cpuset") / "corral-latency"
-    assert read(cs / "cpuset.cpus") == read(cs / "sb-lat" / "cpuset.cpus") == "0-1"
+    assert read(cs / "cpuset.cpus") == "0-1" and not (cs / "sb-lat").exists()
     assert cg.list() == ["sb-be", "sb-lat"]
     for procs in k.root.rglob("cgroup.procs"):  # the init exited
         procs.write_text("")

@@ -91,6 +91,21 @@ def test_rootfs_by_fd_starts_from_the_template() -> None:
     assert "/srv/sb/rootfs" not in args
 
 
+def test_no_network_sandbox_binds_the_templates_sysfs() -> None:
+    """With the template (-t) and a network namespace of its own, /sys is a bind of the
+    template's sysfs with the config's flags (read-only), not a sysfs of its own."""
+    args = _plan(_config(), rootfs_fd=True)
+    steps = [s.split("\t") for s in args[args.index("--") + 1 :]]
+    (sys_step,) = [s for s in steps if "/sys" in s[1:3] and s[0] != "mask"]
+    assert sys_step[:3] == ["tbind", "/sys", "/sys"], sys_step
+    assert int(sys_step[3], 16) & 0xF == 0xF  # ro, nosuid, nodev, noexec
+    assert not any(s[0] == "fs" and s[1] == "sysfs" for s in steps)
+    # Without the template (a host-path rootfs): a sysfs of its own, as before.
+    steps = [s.split("\t") for s in _plan(_config())]
+    assert any(s[0] == "fs" and s[1] == "sysfs" for s in steps)
+    assert not any(s[0] == "tbind" for s in steps)
+
+
 def test_dev_shm_is_a_directory_of_dev() -> None:
     """One tmpfs for /dev and /dev/shm: both sizes, the union of both flag sets (nosuid,
     nodev, noexec), and /dev/shm a sticky world-writable directory on it."""

@@ -14,6 +14,7 @@ for leftovers, like ``bench density``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from corral.bench.scenarios import (
@@ -94,7 +95,9 @@ async def _run(
             while len(sbs) < count:
                 n = min(window, count - len(sbs))
                 cpu = CpuMeter().start()
+                t0 = time.monotonic()
                 made = await _create_n(client, img, n, concurrency, sbs, False, "scale")
+                t1 = time.monotonic()
                 errors += len(made.errors)
                 if made.errors and "first_error" not in res:
                     res["first_error"] = made.errors[0][:500]
@@ -103,6 +106,9 @@ async def _run(
                     "create_per_s": rate(n - len(made.errors), made.wall),
                     "cpu_ms_per_create": cpu.per_op(n - len(made.errors)),
                     "exec_p50_ms": await _exec_p50(sbs),
+                    # CLOCK_MONOTONIC of the creates (not the execs): a profiler's samples
+                    # (`perf record -k CLOCK_MONOTONIC`) are cut to one window by these.
+                    "mono_s": [round(t0, 3), round(t1, 3)],
                 }
                 windows.append(w)
                 say(
@@ -119,7 +125,9 @@ async def _run(
             say(f"scale: destroying {len(sbs)}")
             todo, sbs = sbs, []
             cpu = CpuMeter().start()
+            t0 = time.monotonic()
             gone = await _destroy_all(todo, concurrency)
+            res["destroy_mono_s"] = [round(t0, 3), round(time.monotonic(), 3)]
             res["destroy_per_s"] = rate(len(gone.latencies), gone.wall) if todo else 0.0
             res["cpu_ms_per_destroy"] = cpu.per_op(len(gone.latencies))
             res["destroy_errors"] = len(gone.errors)

@@ -29,8 +29,14 @@ from corral.host._sys import errtext
 __all__ = ["detect_mode", "latency_root_of", "Cgroups", "V1_CONTROLLERS"]
 
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "blkio", "cpuset")
+_V1_NO_SANDBOX_CGROUP = frozenset({"blkio", "cpuset"})
+"""v1 controllers where :meth:`Cgroups.create` makes no cgroup per sandbox: corral sets
+no limit in them, and each costs a cgroup per sandbox (~9 KiB of kernel memory) and work
+that grows with the count: a v1 cpuset with ``sched_load_balance`` (the default) rebuilds
+the scheduler domains, walking every cpuset on the host, when it goes away. The sandbox
+stays in the node's cgroup of these (an OCI runtime still makes its own: crun/runc)."""
 _V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
-_CFS_PERIOD = 100_000  # µs; the kernel's default period
+_CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
 
 
 _ROOT = Path("/sys/fs/cgroup")
@@ -143,8 +149,6 @@ class Cgroups:
         self._latency: dict[str, bool] = {}
         """sandbox -> in the latency root, for cgroups made by :meth:`create` (saves a
         stat per control file access); others are looked up on disk."""
-        self._cloned: set[str] = set()
-        """tops whose v1 cpuset children inherit cpus and mems (``cgroup.clone_children``)."""
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
@@ -271,14 +275,9 @@ class Cgroups:
                 d = root / top
                 d.mkdir(exist_ok=True)
                 if ctrl == "cpuset":
+                    # The top must hold cpus and mems for an OCI runtime's sandbox cgroup
+                    # below it (create makes none in cpuset: _V1_NO_SANDBOX_CGROUP).
                     self._copy_cpuset(root, d)
-                    # The kernel then gives each new sandbox cgroup its parent's cpus and
-                    # mems itself: two reads and writes fewer per create.
-                    try:
-                        self._write(d / "cgroup.clone_children", "1")
-                        self._cloned.add(top)
-                    except HostError:
-                        self._cloned.discard(top)
             cpu = self._ctrl["cpu"] / top
         if (cpu / "cpu.idle").exists():
             self._write(cpu / "cpu.idle", "0" if latency else "1")
@@ -342,20 +341,29 @@ class Cgroups:
             self.remove(name)
             raise
 
+    def _own(self) -> list[str]:
+        """v1: the controllers a sandbox made by :meth:`create` has a cgroup of its own in
+        (see ``_V1_NO_SANDBOX_CGROUP``)."""
+        return [c for c in self._ctrl if c not in _V1_NO_SANDBOX_CGROUP]
+
     def _create_v1(
         self, top: str, name: str, cpus: float, memory: int, pids: int, swap: int | None
     ) -> None:
-        for ctrl, root in self._ctrl.items():
-            d = root / top / _check_name(name)
+        made: set[Path] = set()
+        for ctrl in self._own():
+            d = self._ctrl[ctrl] / top / _check_name(name)
             try:
                 d.mkdir()
+                made.add(d)
             except FileExistsError:
-                pass
-            if ctrl == "cpuset" and top not in self._cloned:
-                self._copy_cpuset(d.parent, d)
+                pass  # cpu and cpuacct share a hierarchy; or create again
         cpu = self._dir("cpu", name)
+        fresh = cpu in made
         if cpus > 0:
-            self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
+            # A new cgroup has the default period already; each write of either file walks
+            # every cpu cgroup on the host (tg_set_cfs_bandwidth -> __cfs_schedulable).
+            if not fresh:
+                self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
             self._write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * _CFS_PERIOD))))
         else:
             # The cgroup may exist already (create again): drop an old quota.
@@ -403,11 +411,12 @@ class Cgroups:
             self._write(memsw, new_memsw)
 
     def add_pid(self, name: str, pid: int) -> None:
-        """Move ``pid`` into cgroup ``name`` in every controller."""
+        """Move ``pid`` into cgroup ``name`` in every controller it has one in (v1: not
+        blkio and cpuset, see ``_V1_NO_SANDBOX_CGROUP``)."""
         if self.mode == "v2":
             self._write(self._dir("", name) / "cgroup.procs", str(pid))
             return
-        for ctrl in self._ctrl:
+        for ctrl in self._own():
             self._write(self._dir(ctrl, name) / "cgroup.procs", str(pid))
 
     def procs_files(self, name: str) -> list[Path]:
@@ -416,7 +425,7 @@ class Cgroups:
         whose memory would otherwise be charged where it was spawned)."""
         if self.mode == "v2":
             return [self._dir("", name) / "cgroup.procs"]
-        return [self._dir(ctrl, name) / "cgroup.procs" for ctrl in self._ctrl]
+        return [self._dir(ctrl, name) / "cgroup.procs" for ctrl in self._own()]
 
     # -- reading ----------------------------------------------------------------------
 
@@ -662,7 +671,6 @@ class Cgroups:
         """rmdir the subtree (and the latency root) in every hierarchy where it has no
         child cgroups."""
         self._prepared.clear()
-        self._cloned.clear()
         for d in self._dirs(None):
             try:
                 os.rmdir(d)

@@ -178,6 +178,11 @@ def plan(
     directory per name of ``cgroup_mounts``, bound read-only as /sys/fs/cgroup instead of
     a tmpfs per sandbox (one superblock less each; see :meth:`Launcher.cgroup_tree`).
 
+    With ``rootfs_fd`` and no network namespace to join (a loopback-only one of its own),
+    /sys is a read-only bind of the template's sysfs, made in a network namespace of its
+    own (step ``tbind``): one sysfs superblock for all such sandboxes of the node, which
+    shows no host interface and no other sandbox's.
+
     A tmpfs at /dev/shm beside the /dev tmpfs becomes a directory of /dev (one superblock
     less per sandbox): /dev takes both sizes and both mounts' flags (the stricter union,
     so /dev/shm stays nosuid, nodev, noexec; /dev holds only binds and links).
@@ -257,6 +262,13 @@ def plan(
             steps.append(_sep("bind", src, dst, f"{flags:x}", "1" if rec else "0"))
             if rro:
                 steps.append(_sep("rro", dst))
+        elif typ == "sysfs" and rootfs_fd and not nss["network"]:
+            # The template's sysfs (of a loopback-only netns of its own): one superblock
+            # for all no-network sandboxes; a sysfs each cost a superblock (shrinker
+            # slots in every memory cgroup) and every sysfs mount walks all of them (sget).
+            if data:
+                raise HostError(f"launch: sysfs options {data} are not supported")
+            steps.append(_sep("tbind", "/sys", dst, f"{flags:x}"))
         elif typ == "cgroup":
             # After the cgroup namespace exists (see corral-launch.c, step cgns).
             cg_steps += _cgroup_steps(dst, flags, cgroup_mounts, cgroup_v2, cgroup_tree)
@@ -362,6 +374,7 @@ class Launcher:
         self._bpf: dict[str, tuple[bytes, int]] = {}
         self._bpf_by_id: dict[int, tuple[dict[str, Any], tuple[bytes, int]]] = {}
         self._template = -1
+        self._template_net = -1
         self._tree: Path | None = None
         self._tree_names: set[str] = set()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -410,6 +423,10 @@ class Launcher:
                 why = (ready + proc.stdout.read()).decode(errors="replace").strip()
                 raise HostError(f"corral-launch: the template mount namespace: {why}")
             self._template = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            # The template's sysfs (bound by no-network sandboxes) holds its network
+            # namespace only passively: kept alive here, so /sys/class/net shows its `lo`
+            # (up; never the host's interfaces) as a sysfs of the sandbox's own did.
+            self._template_net = os.open(f"/proc/{proc.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             proc.stdin.close()
             proc.stdout.close()
@@ -420,6 +437,9 @@ class Launcher:
         if self._template >= 0:
             os.close(self._template)
             self._template = -1
+        if self._template_net >= 0:
+            os.close(self._template_net)
+            self._template_net = -1
         for _, fd in self._bpf.values():
             os.close(fd)
         self._bpf.clear()

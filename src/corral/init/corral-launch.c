@@ -33,8 +33,10 @@
  *   corral-launch -T DIR
  * makes the template mount namespace (a read-only tmpfs with fully visible proc and sysfs
  * mounts, which mounting a new proc or sysfs in a user namespace requires, and an empty
- * `rootfs` directory), pivoted into with DIR as a scratch mountpoint; says "READY" on
- * fd 1 and waits for EOF on fd 0, while the node opens /proc/<pid>/ns/mnt.
+ * `rootfs` directory; the sysfs is of a loopback-only network namespace of its own, lo
+ * up, and no-network sandboxes bind it: step tbind), pivoted into with DIR as a scratch
+ * mountpoint; says "READY" on fd 1 and waits for EOF on fd 0, while the node opens
+ * /proc/<pid>/ns/mnt and /proc/<pid>/ns/net.
  * Steps (inside the new namespaces, paths relative to the rootfs, resolved in it):
  *   root:PATH               the rootfs (host path); first step. PATH `-`: the detached
  *                           mount on fd 6 (the node's fsmount of the overlay), moved onto
@@ -42,6 +44,8 @@
  *                           mount table
  *   fs:TYPE:SRC:DST:FLAGS:DATA   mount a new filesystem (FLAGS: hex MS_*)
  *   bind:SRC:DST:FLAGS:REC  bind SRC (host path) onto DST, then remount with FLAGS
+ *   tbind:SRC:DST:FLAGS     bind SRC, a mount of the template (-t; its /sys), onto DST,
+ *                           then remount with FLAGS
  *   rro:DST                 make DST and everything below read-only (mount_setattr)
  *   ln:TARGET:DST           symlink
  *   dir:DST:MODE            a directory (octal MODE) on what is mounted there already
@@ -336,6 +340,29 @@ static void do_step(char *s)
 			remount_bind(p, fl);
 			close(fd);
 		}
+	} else if (!strcmp(f[0], "tbind") && n == 4) {
+		/* A mount of the template (-t), still reachable here at its absolute path (the
+		 * root is the template's until pivot): its sysfs, made in a loopback-only network
+		 * namespace of its own, one superblock for every no-network sandbox of the node
+		 * instead of one each (each walked by every later sysfs mount: sget). */
+		if (!src_fd || f[1][0] != '/') {
+			errno = EINVAL;
+			die("tbind needs -t and an absolute template path");
+		}
+		int fd = open_in_root(f[2], 0, 0);
+		if (fd < 0)
+			die(f[2]);
+		fdpath(p, sizeof p, fd);
+		/* Safe: a path of the template namespace (its 3 mounts), no host path. */
+		if (mount(f[1], p, NULL, MS_BIND, NULL) < 0)
+			die(f[2]);
+		close(fd);
+		fd = open_in_root(f[2], 0, 0);
+		if (fd < 0)
+			die(f[2]);
+		fdpath(p, sizeof p, fd);
+		remount_bind(p, strtoul(f[3], NULL, 16));
+		close(fd);
 	} else if (!strcmp(f[0], "dir") && n == 3) {
 		/* A directory on a filesystem mounted before (/dev/shm on the /dev tmpfs). */
 		int fd = open_in_root(f[1], 1, 0);
@@ -709,6 +736,14 @@ static int make_template(const char *dir)
 	 * no flag of theirs is locked against the sandbox's own mounts. */
 	if (mount("proc", "proc", "proc", 0, NULL) < 0)
 		die("mount proc");
+	/* The sysfs of a network namespace of its own (loopback only, never up): bound
+	 * read-only by every no-network sandbox (step tbind) instead of a sysfs each, so it
+	 * shows no host interface and no other sandbox's. */
+	if (unshare(CLONE_NEWNET) < 0)
+		die("unshare(CLONE_NEWNET)");
+	/* Up, as every sandbox's own loopback is: its sysfs entry is what they read. */
+	loopback_up();
+	at("template");
 	if (mount("sysfs", "sys", "sysfs", 0, NULL) < 0)
 		die("mount sysfs");
 	if (syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0)

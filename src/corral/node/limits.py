@@ -61,11 +61,12 @@ kernel objects of its namespaces, cgroups and mounts. Issue 15's quiet ``bench d
 --count 3200`` (1.42 MiB per sandbox with 14 superblocks each) less that run's shrinker
 slots (16 B * 14 * 3,200 = 0.68 MiB)."""
 
-SUPERBLOCKS_PER_SANDBOX = 6
-"""Superblocks each sandbox adds to the host (see the module docstring): 6 with corral's
-launcher, the default runtime (overlay root, proc, sysfs, the /dev tmpfs that also holds
-/dev/shm, devpts, mqueue); an OCI runtime's sandboxes have 8, so the estimate is a little
-optimistic for them."""
+SUPERBLOCKS_PER_SANDBOX = 5
+"""Superblocks each sandbox adds to the host (see the module docstring): 5 with corral's
+launcher, the default runtime (overlay root, proc, the /dev tmpfs that also holds
+/dev/shm, devpts, mqueue; /sys is a bind of the node's template sysfs, or of the host's
+with a network); an OCI runtime's sandboxes have 8, so the estimate is optimistic for
+them."""
 
 SHRINKER_SLOT_BYTES = 16
 """Bytes per shrinker id per memory cgroup (a 1 KiB kmalloc unit holds 64 ids)."""
