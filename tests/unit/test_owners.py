@@ -89,3 +89,19 @@ def test_config_joins_the_node_made_user_namespace() -> None:
     netns = oci.build_config(**base, userns_mappings=True, net_ns="/run/netns/x")  # type: ignore[arg-type]
     assert not oci.joins_userns(netns)
     assert oci.take_rlimits(runc) and "rlimits" not in runc["process"]
+
+
+def test_uids_are_spread_over_lock_shards(tmp_path: Path) -> None:
+    """Each uid's lock lives in its shard's file, so another allocator sees it there."""
+    from corral.host.owners import SHARDS
+
+    a = OwnerUids(800000, SHARDS * 2, lock_file=tmp_path / "lock")
+    held = {a.allocate() for _ in range(SHARDS * 2)}
+    assert len(held) == SHARDS * 2
+    assert len(list(tmp_path.glob("lock.*"))) == SHARDS
+    b = OwnerUids(800000, SHARDS * 2, lock_file=tmp_path / "lock")
+    assert not any(b.claim(u) for u in held)
+    a.release(800000 + SHARDS + 1)
+    assert b.claim(800000 + SHARDS + 1)
+    a.close()
+    b.close()
