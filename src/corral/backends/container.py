@@ -1,14 +1,16 @@
 """Container sandboxes: OCI runtime + overlay of shared EROFS layers + corral-init.
 
 Create, in order (each step undone if a later one fails):
-  1. the sandbox dir: a btrfs subvolume with the disk quota (it holds the overlay upper
+  1. acquire each image layer's node-wide mount (idmapped to the sandbox uid range),
+  2. the sandbox dir: a btrfs subvolume with the disk quota (it holds the overlay upper
      and work dirs, the rootfs mountpoint, the bundle and the control socket),
-  2. acquire each image layer's node-wide mount (idmapped to the sandbox uid range),
   3. overlay rootfs = layers (lowers) + upper (for corral's launcher a detached mount,
      attached only in the sandbox's own mount namespace: never in the host's table),
   4. a listening control socket in the sandbox dir (host side only; the guest never sees it),
   5. config.json, then ``runc run --detach --preserve-fds 1`` with that socket as fd 3.
 No process of ours stays per sandbox: runc exits, the init lives on in the container.
+Steps 2-4 (and the launcher's cgroups) are kernel work done in one worker thread, not on
+the node's event loop (see ``_create``).
 """
 
 from __future__ import annotations
