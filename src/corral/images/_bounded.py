@@ -47,12 +47,11 @@ class _Call:
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        """Call ``fn``; the worker sets ``done`` afterwards."""
         try:
             self.value = self.fn()
         except BaseException as e:  # handed to the waiting caller
             self.error = e
-        finally:
-            self.done.set()
 
 
 class Bounded:
@@ -87,7 +86,10 @@ class Bounded:
                 continue  # claimed just now: its call is being queued
             call.run()
             with self._lock:
+                # Idle before the caller wakes: its next call then finds this worker
+                # instead of starting another.
                 self._idle += 1
+            call.done.set()
 
     def _unavailable(self, what: str, why: str) -> StoreUnavailable:
         return StoreUnavailable(
