@@ -1,14 +1,16 @@
 """Container sandboxes: OCI runtime + overlay of shared EROFS layers + corral-init.
 
 Create, in order (each step undone if a later one fails):
-  1. the sandbox dir: a btrfs subvolume with the disk quota (it holds the overlay upper
+  1. acquire each image layer's node-wide mount (idmapped to the sandbox uid range),
+  2. the sandbox dir: a btrfs subvolume with the disk quota (it holds the overlay upper
      and work dirs, the rootfs mountpoint, the bundle and the control socket),
-  2. acquire each image layer's node-wide mount (idmapped to the sandbox uid range),
   3. overlay rootfs = layers (lowers) + upper (for corral's launcher a detached mount,
      attached only in the sandbox's own mount namespace: never in the host's table),
   4. a listening control socket in the sandbox dir (host side only; the guest never sees it),
   5. config.json, then ``runc run --detach --preserve-fds 1`` with that socket as fd 3.
 No process of ours stays per sandbox: runc exits, the init lives on in the container.
+Steps 2-4 (and the launcher's cgroups) are kernel work done in one worker thread, not on
+the node's event loop (see ``_create``).
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ class ContainerBackend:
         opened: list[Callable[[], object]] = [self.runtime.close]
         try:
             self.init_path = await asyncio.to_thread(self._install_init)
-            if isinstance(self.runtime, Launcher):
+            if not self.host_mounted_root:
                 # On the init's tmpfs: one read-only /sys/fs/cgroup tree for every sandbox.
-                self.runtime.use_cgroup_tree(self.init_path.parent / "cgroup")
+                self.launcher.use_cgroup_tree(self.init_path.parent / "cgroup")
             self.userns = UserNamespace.create(ctx.host_uid, ctx.id_count)
             opened.append(self.userns.close)
             resolve: Callable[[str], Path] = ctx.store.path_of
@@ -241,6 +243,20 @@ class ContainerBackend:
         )
 
     # ------------------------------------------------------------------ paths and handles
+    @property
+    def host_mounted_root(self) -> bool:
+        """Whether a sandbox's rootfs is mounted in the host's mount table (at
+        :meth:`rootfs`, by an OCI runtime's create), rather than only in the sandbox's own
+        mount namespace (corral's launcher: a detached overlay, reached through the init)."""
+        return not isinstance(self.runtime, Launcher)
+
+    @property
+    def launcher(self) -> Launcher:
+        """The runtime, where it is corral's launcher (callers check
+        :attr:`host_mounted_root` first)."""
+        assert isinstance(self.runtime, Launcher)
+        return self.runtime
+
     def dir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id
 
@@ -259,22 +275,18 @@ class ContainerBackend:
     def files(self, sandbox_id: str) -> SandboxFS:
         f = self._fs.get(sandbox_id)
         if f is None:
-            if isinstance(self.runtime, Launcher):
-                # No host mount of the rootfs: the init's root, as the guest sees it.
-                f = SandboxFS(
-                    self.rootfs(sandbox_id),
-                    uid=self.host_uid,
-                    gid=self.host_uid,
-                    open_root=functools.partial(self.runtime.open_root, sandbox_id),
-                )
-            else:
-                f = SandboxFS(
-                    self.rootfs(sandbox_id),
-                    uid=self.host_uid,
-                    gid=self.host_uid,
-                    require_mount=True,
-                )
-            self._fs[sandbox_id] = f
+            hosted = self.host_mounted_root
+            f = self._fs[sandbox_id] = SandboxFS(
+                self.rootfs(sandbox_id),
+                uid=self.host_uid,
+                gid=self.host_uid,
+                # A host mount must still be there (not the bare dir under it); without
+                # one, the root as the guest sees it, through its init.
+                require_mount=hosted,
+                open_root=None
+                if hosted
+                else functools.partial(self.launcher.open_root, sandbox_id),
+            )
         return f
 
     def meters(self, sandbox_id: str) -> Meters:
@@ -309,134 +321,207 @@ class ContainerBackend:
         base: str | None,
         phases: Phases,
     ) -> int:
+        """The steps of the module docstring. The kernel work (the subvolume, the overlay,
+        the control socket and, for the launcher, the cgroups) runs in one worker thread
+        (:meth:`_prepare`): the same syscalls on the event loop held it ~60% of a create
+        at concurrency 8, while in a thread they release the GIL and use another core.
+        Each step records its undo as soon as it is done, in that thread too; ``in_thread``
+        waits for the thread even when the create is cancelled, so the undo never runs
+        before what it undoes exists."""
+        with phases.phase("layer_mounts"):
+            lowers = await self._acquire_layers(image, undo)
+        owner: int | None = None
+        if self.owners is not None:
+            # Before the cgroup and the launch: its release, undone in reverse, comes only
+            # after every process of the sandbox (in the namespace it owns) is killed.
+            self._owner[sandbox_id] = owner = self.owners.allocate()
+            undo.append(lambda: self._release_owner(sandbox_id))
+        latency = spec.qos == "latency"  # its cgroup's place (Cgroups.prepare)
+        root = self.rootfs(sandbox_id)
+        made = _Made()
+        try:
+            config, cgroup = None, None
+            if not self.host_mounted_root:
+                # Built first, so that its cgroups are made in the same worker thread.
+                config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
+                cgroup = (config["linux"]["resources"], latency)
+            prepare = functools.partial(self._prepare, sandbox_id, spec, base, lowers, undo, made)
+            await in_thread(prepare, phases, cgroup)
+            if config is not None:
+                return await self._launch(sandbox_id, spec, config, undo, phases, made, owner)
+            return await self._run_oci(sandbox_id, spec, image, undo, phases, made, owner, latency)
+        finally:
+            # Ours, not state to undo: the init holds its own copy of the listening socket
+            # (so the socket dies with the sandbox), the launcher attached the rootfs in
+            # the sandbox's namespace (or failed, and the overlay goes with its copy).
+            made.close()
+
+    async def _acquire_layers(
+        self, image: ImageInfo, undo: list[Callable[[], object]]
+    ) -> list[Path]:
+        """Each image layer's node-wide mount (bottom first), released by ``undo``."""
+        lowers: list[Path] = []
+        for digest in image.layers:
+            if digest in self.layers.mounted():
+                lowers.append(self.layers.acquire(digest))
+            else:
+                # First use on this node: verifying the digest reads the whole layer file
+                # (~0.2 s for 150 MB); keep it off the event loop. If the create is
+                # cancelled meanwhile, the acquire still completes: record it for undo.
+                job = asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, digest))
+                try:
+                    lowers.append(await asyncio.shield(job))
+                except asyncio.CancelledError:
+                    await asyncio.wait([job])
+                    if not job.cancelled() and job.exception() is None:
+                        undo.append(functools.partial(self.layers.release, digest, record=False))
+                    raise
+            undo.append(functools.partial(self.layers.release, digest, record=False))
+        return lowers
+
+    def _prepare(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        base: str | None,
+        lowers: list[Path],
+        undo: list[Callable[[], object]],
+        made: _Made,
+        phases: Phases,
+        cgroup: tuple[dict[str, Any], bool] | None,
+    ) -> None:
+        """In a worker thread: the sandbox dir, the overlay rootfs, the control socket and,
+        with ``cgroup`` (the config's resources and the latency class; the launcher), the
+        sandbox's cgroups. Appends each step's undo once it is done (list.append is atomic;
+        the event loop reads ``undo`` only after this returns)."""
+        with phases.phase("rootfs"):
+            _check_room(self.scratch.mountpoint)
+            sub = self._make_dir(sandbox_id, spec, base, undo)
+            self._make_rootfs(sandbox_id, sub, base, lowers, undo, made)
+        sock_path = self.socket_path(sandbox_id)
+        made.lsock = lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lsock.bind(str(sock_path))
+        os.chmod(sock_path, 0o600)
+        lsock.listen(64)
+        if cgroup is None:
+            return
+        launcher = self.launcher
+        resources, latency = cgroup
+        # In runtime_start, as the OCI runtime's cgroup setup is: the phases compare.
+        with phases.phase("runtime_start"):
+            # Patient (EBUSY retried, off the event loop): the killed processes of a
+            # cancelled best-effort create leave their cgroup only once their exits get
+            # idle CPU; a 1 s wait left the cgroup behind under load.
+            undo.append(lambda: self._remove_cgroup(sandbox_id))
+            made.procs = launcher.make_cgroup(sandbox_id, resources, latency)
+        undo.append(lambda: launcher.delete(sandbox_id, force=True))
+
+    def _make_dir(
+        self, sandbox_id: str, spec: SandboxSpec, base: str | None, undo: list[Callable[[], object]]
+    ) -> Path:
+        """The sandbox dir; returns the subvolume that holds the overlay's upper and work."""
         d = self.dir(sandbox_id)
-        _check_room(self.scratch.mountpoint)
-        in_subvol = d.parent == self.scratch.mountpoint
-        if in_subvol:
+        if d.parent == self.scratch.mountpoint:
             # The sandbox's dir is its btrfs subvolume (bundle, control socket, rootfs
             # mountpoint, overlay upper and work), deleted in one call, and refused while the
             # rootfs is still mounted. It also keeps these per-create files off the node's
             # root filesystem: here ext4 without a journal, whose inode allocator rescans
             # recently deleted inodes (~0.3-0.6 ms per new file under create/destroy churn).
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
-            with phases.phase("rootfs"):  # the writable layer: part of the rootfs's cost
-                if base is None:
-                    self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
-                else:
-                    # A snapshot commits a btrfs transaction (2-10 ms): off the event loop,
-                    # so the other children of a fork go on starting meanwhile.
-                    await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
+            if base is None:
+                self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+            else:
+                # A snapshot commits a btrfs transaction (2-10 ms).
+                self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
+            sub = d
         else:
             d.mkdir(mode=0o711)
             undo.append(lambda: remove_sandbox_dir(d))
+            undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
+            if base is None:
+                sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
+            else:
+                sub = self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
         # 0711: runc in the user namespace must traverse it as the mapped uid; no listing.
         os.chmod(d, 0o711)
+        return sub
 
-        with phases.phase("layer_mounts"):
-            lowers: list[Path] = []
-            for digest in image.layers:
-                if digest in self.layers.mounted():
-                    lowers.append(self.layers.acquire(digest))
-                else:
-                    # First use on this node: verifying the digest reads the whole layer file
-                    # (~0.2 s for 150 MB); keep it off the event loop. If the create is
-                    # cancelled meanwhile, the acquire still completes: record it for undo.
-                    job = asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, digest))
-                    try:
-                        lowers.append(await asyncio.shield(job))
-                    except asyncio.CancelledError:
-                        await asyncio.wait([job])
-                        if not job.cancelled() and job.exception() is None:
-                            undo.append(
-                                functools.partial(self.layers.release, digest, record=False)
-                            )
-                        raise
-                undo.append(functools.partial(self.layers.release, digest, record=False))
-
-        with phases.phase("rootfs"):
-            sub = d
-            if not in_subvol:
-                if base is None:
-                    sub = self.scratch.create_subvol(sandbox_id, quota=spec.limits.disk)
-                else:
-                    sub = self.scratch.snapshot(base, sandbox_id, quota=spec.limits.disk)
-                undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
-            upper, work = sub / "upper", sub / "work"
-            if base is None:
-                upper.mkdir()
-                work.mkdir()
-                # The upper belongs to root inside the sandbox (host uid host_uid), so the guest
-                # can write where a normal root could and its files land under the mapped owner.
-                os.chown(upper, self.host_uid, self.host_uid)
-
+    def _make_rootfs(
+        self,
+        sandbox_id: str,
+        sub: Path,
+        base: str | None,
+        lowers: list[Path],
+        undo: list[Callable[[], object]],
+        made: _Made,
+    ) -> None:
+        """The overlay rootfs: a detached mount for the launcher (``made.root_fd``), else
+        mounted at the sandbox's rootfs dir."""
+        upper, work = sub / "upper", sub / "work"
+        if base is None:
+            upper.mkdir()
+            work.mkdir()
+            # The upper belongs to root inside the sandbox (host uid host_uid), so the guest
+            # can write where a normal root could and its files land under the mapped owner.
+            os.chown(upper, self.host_uid, self.host_uid)
+        if not self.host_mounted_root:
+            # A detached mount: the launcher attaches it in the sandbox's own mount
+            # namespace only; the host's mount table never holds it (design notes,
+            # "Density"). Our fd goes once the launch is over (_create).
+            made.root_fd = mounts.overlay_fd(
+                list(reversed(lowers)), upper, work, what=f"{sandbox_id} rootfs"
+            )
+            undo.append(made.close_root)
+        else:
             root = self.rootfs(sandbox_id)
-            root_mnt = _OwnedFd()
-            if isinstance(self.runtime, Launcher):
-                # A detached mount: the launcher attaches it in the sandbox's own mount
-                # namespace only; the host's mount table never holds it (design notes,
-                # "Density"). Our fd goes once the launch is over (_launch).
-                root_mnt.fd = mounts.overlay_fd(
-                    list(reversed(lowers)), upper, work, what=f"{sandbox_id} rootfs"
-                )
-                undo.append(root_mnt.close)
-            else:
-                root.mkdir(exist_ok=base is not None)
-                mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
-                undo.append(lambda: mounts.umount(root, detach=True))
+            root.mkdir(exist_ok=base is not None)
+            mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
+            undo.append(lambda: mounts.umount(root, detach=True))
 
+    async def _run_oci(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        undo: list[Callable[[], object]],
+        phases: Phases,
+        made: _Made,
+        owner: int | None,
+        latency: bool,
+    ) -> int:
+        """The rest of a create with an OCI runtime: config.json, then ``run --detach``."""
+        assert isinstance(self.runtime, OCIRuntime)
+        d = self.dir(sandbox_id)
         userns = None
-        if self.owners is not None:
-            self._owner[sandbox_id] = owner = self.owners.allocate()
-            undo.append(lambda: self._release_owner(sandbox_id))
+        if owner is not None:
             # crun opens the namespace in its own process: an fd does (no mount churn).
             path = None if self.runtime.name == "crun" else d / "userns"
             userns = SandboxUserns(owner, self.host_uid, self.id_count, path)
-        latency = spec.qos == "latency"  # its cgroup's place (Cgroups.prepare)
-        sock_path = self.socket_path(sandbox_id)
-        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            lsock.bind(str(sock_path))
-            os.chmod(sock_path, 0o600)
-            lsock.listen(64)
-            if isinstance(self.runtime, Launcher):
-                return await self._launch(
-                    sandbox_id, spec, image, undo, phases, lsock, root, userns, latency, root_mnt
-                )
-            config = self._config(
-                sandbox_id,
-                spec,
-                image,
-                root,
-                userns,
-                latency,
-                mappings=self.runtime.name == "runc",
+        root = self.rootfs(sandbox_id)
+        config = self._config(
+            sandbox_id, spec, image, root, userns, latency, mappings=self.runtime.name == "runc"
+        )
+        bpf_key = self._reuse_seccomp_bpf(config)
+        if userns is not None and not oci.joins_userns(config):
+            userns = None  # runc with a joined network namespace (see build_config)
+            self._release_owner(sandbox_id)
+        rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
+        oci.write_bundle(d, config)
+        self.cgroups.prepare(latency=latency)
+        # After the runtime's delete (undo runs in reverse): directories it left, e.g.
+        # in hierarchies it does not manage.
+        # Waits for the killed tasks (a failed create's too: a best-effort init that did
+        # not come up on saturated CPUs exits slowly), as destroy does.
+        undo.append(lambda: self._remove_cgroup(sandbox_id))
+        undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
+        assert made.lsock is not None
+        with phases.phase("runtime_start"):
+            await self.runtime.run_detached(
+                sandbox_id, d, pass_fd=made.lsock.fileno(), userns=userns, rlimits=rlimits
             )
-            bpf_key = self._reuse_seccomp_bpf(config)
-            if userns is not None and not oci.joins_userns(config):
-                userns = None  # runc with a joined network namespace (see build_config)
-                self._release_owner(sandbox_id)
-            rlimits = oci.take_rlimits(config) if userns and self.runtime.name == "runc" else []
-            oci.write_bundle(d, config)
-            self.cgroups.prepare(latency=latency)
-            # After the runtime's delete (undo runs in reverse): directories it left, e.g.
-            # in hierarchies it does not manage.
-            # Waits for the killed tasks (a failed create's too: a best-effort init that did
-            # not come up on saturated CPUs exits slowly), as destroy does.
-            undo.append(lambda: self._remove_cgroup(sandbox_id))
-            undo.append(lambda: self.runtime.delete(sandbox_id, force=True))
-            with phases.phase("runtime_start"):
-                await self.runtime.run_detached(
-                    sandbox_id, d, pass_fd=lsock.fileno(), userns=userns, rlimits=rlimits
-                )
-            if bpf_key is not None:
-                self._remember_seccomp_bpf(bpf_key, sandbox_id)
-        finally:
-            # The init holds its own copy of the listening socket now; ours must go so that
-            # the socket dies with the sandbox.
-            lsock.close()
-            # Ours, not state to undo: the launcher attached it in the sandbox's namespace
-            # (or failed, and then the overlay must go with the launcher's copy).
-            root_mnt.close()
+        if bpf_key is not None:
+            self._remember_seccomp_bpf(bpf_key, sandbox_id)
+        made.close()
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
@@ -467,43 +552,30 @@ class ContainerBackend:
         self,
         sandbox_id: str,
         spec: SandboxSpec,
-        image: ImageInfo,
+        config: dict[str, Any],
         undo: list[Callable[[], object]],
         phases: Phases,
-        lsock: socket.socket,
-        root: Path,
-        userns: SandboxUserns | None,
-        latency: bool,
-        root_mnt: _OwnedFd,
+        made: _Made,
+        owner: int | None,
     ) -> int:
         """The rest of a create with corral's launcher (:mod:`corral.host.launch`): the
-        same OCI config, executed without a runtime; no bundle is written. ``root_mnt``:
-        the detached rootfs overlay, closed here once the launcher has it."""
-        assert isinstance(self.runtime, Launcher)
-        launcher = self.runtime
-        config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
-        # In runtime_start, as the OCI runtime's cgroup setup is: the phases compare.
+        same OCI config, executed without a runtime; no bundle is written. ``made``: the
+        detached rootfs overlay, the control socket and the cgroups (:meth:`_prepare`)."""
+        assert made.lsock is not None and made.procs is not None
+        procs, cpu_procs = made.procs
         with phases.phase("runtime_start"):
-            # Patient (EBUSY retried, off the event loop): the killed processes of a
-            # cancelled best-effort create leave their cgroup only once their exits get
-            # idle CPU; a 1 s wait left the cgroup behind under load.
-            undo.append(lambda: self._remove_cgroup(sandbox_id))
-            procs, cpu_procs = launcher.make_cgroup(
-                sandbox_id, config["linux"]["resources"], latency
-            )
-        undo.append(lambda: launcher.delete(sandbox_id, force=True))
-        with phases.phase("runtime_start"):
-            pid = await launcher.start(
+            pid = await self.launcher.start(
                 sandbox_id,
                 config,
-                ctl_fd=lsock.fileno(),
-                owner=0 if userns is None else userns.owner,
+                ctl_fd=made.lsock.fileno(),
+                owner=0 if owner is None else owner,
                 cgroup_procs=procs,
                 cpu_procs=cpu_procs,
-                rootfs_fd=root_mnt.fd,
+                rootfs_fd=made.root_fd,
             )
-        lsock.close()  # the init holds its own copy now
-        root_mnt.close()  # attached in the sandbox's namespace: it lives as long as that
+        # The init holds its own copy of the socket now; the overlay is attached in the
+        # sandbox's namespace and lives as long as that.
+        made.close()
         return await self._after_start(sandbox_id, spec, pid, phases)
 
     def _config(
@@ -576,8 +648,8 @@ class ContainerBackend:
     def init_pid(self, sandbox_id: str) -> int | None:
         """Host pid of the sandbox's init, read from the runtime's state file (no exec),
         or the launcher's record."""
-        if isinstance(self.runtime, Launcher):
-            return self.runtime.init_pid(sandbox_id)
+        if not self.host_mounted_root:
+            return self.launcher.init_pid(sandbox_id)
         for name in ("state.json", "status"):
             p = self.runtime.root / sandbox_id / name
             try:
@@ -651,7 +723,7 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
 
     async def adopt(self, sandbox_id: str, image: ImageInfo) -> Started | None:
-        if isinstance(self.runtime, Launcher):
+        if not self.host_mounted_root:
             ok = self.alive(sandbox_id)  # its rootfs lives in its own mount namespace
         else:
             ok = self.alive(sandbox_id) and mounts.is_mountpoint(self.rootfs(sandbox_id))
@@ -748,7 +820,7 @@ class ContainerBackend:
         root = self.rootfs(sandbox_id)
 
         async def umount_root() -> None:
-            if isinstance(self.runtime, Launcher) and not mounts.is_mountpoint(root):
+            if not self.host_mounted_root and not mounts.is_mountpoint(root):
                 # Its rootfs went with its mount namespace (no host mount; only a sandbox
                 # adopted from a node before that change has one).
                 return
@@ -892,16 +964,26 @@ async def _readable(fd: int, timeout: float) -> None:
         loop.remove_reader(fd)
 
 
-class _OwnedFd:
-    """An fd closed at most once (by the create's undo or its success, whichever first)."""
+class _Made:
+    """What a create holds only until its sandbox has started: the detached rootfs
+    overlay's fd, the listening control socket (their copies live in the sandbox) and the
+    cgroup.procs files the launcher joins. Closed at most once, by the create's undo or
+    its end, whichever comes first."""
 
     def __init__(self) -> None:
-        self.fd = -1
+        self.root_fd = -1
+        self.lsock: socket.socket | None = None
+        self.procs: tuple[list[Path], list[Path]] | None = None
 
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
+    def close_root(self) -> None:
+        fd, self.root_fd = self.root_fd, -1
         if fd >= 0:
             os.close(fd)
+
+    def close(self) -> None:
+        self.close_root()
+        if self.lsock is not None:
+            self.lsock.close()
 
 
 def remove_sandbox_dir(d: Path) -> None:

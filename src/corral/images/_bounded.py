@@ -5,10 +5,13 @@ When the servers of a FUSE or network filesystem go away, a ``stat`` or ``read``
 blocks in the kernel until the client gives up (MooseFS: minutes; an NFS hard mount:
 forever), and SIGTERM does not interrupt it. The node reads the store from its event
 loop (``store.image`` on every create), so one such call would freeze every sandbox's
-exec too. Here each call runs in a daemon thread and the caller waits at most
-``timeout`` seconds; past that it gets :class:`StoreUnavailable` and the thread is left
+exec too. Here each call runs in a daemon worker thread and the caller waits at most
+``timeout`` seconds; past that it gets :class:`StoreUnavailable` and the worker is left
 to finish whenever the filesystem answers. While that stuck call is still pending, later
-calls fail at once instead of piling up more stuck threads.
+calls fail at once instead of piling up more stuck threads. Workers wait for the next
+call (up to ``_IDLE`` seconds) instead of ending: a thread started per call cost every
+create a ``clone`` and a thread's setup on the event loop. A call that finds no idle
+worker starts one, so concurrent callers still run side by side.
 
 Errors that mean "the transport is gone" (ENOTCONN of a dead FUSE daemon, EIO, ESTALE,
 EHOSTDOWN...) become StoreUnavailable too; other errors pass through unchanged.
@@ -17,6 +20,7 @@ EHOSTDOWN...) become StoreUnavailable too; other errors pass through unchanged.
 from __future__ import annotations
 
 import errno
+import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,6 +30,8 @@ from corral.errors import StoreUnavailable
 __all__ = ["Bounded"]
 
 T = TypeVar("T")
+_IDLE = 60.0
+"""Seconds a worker waits for another call before it ends."""
 
 _GONE = frozenset(
     {errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH,
@@ -41,12 +47,11 @@ class _Call:
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        """Call ``fn``; the worker sets ``done`` afterwards."""
         try:
             self.value = self.fn()
         except BaseException as e:  # handed to the waiting caller
             self.error = e
-        finally:
-            self.done.set()
 
 
 class Bounded:
@@ -56,6 +61,35 @@ class Bounded:
         self.root = root
         self.timeout = timeout
         self._stuck: _Call | None = None
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._idle = 0
+        """Workers waiting for a call that no queued call has claimed yet."""
+        self._lock = threading.Lock()
+
+    def _submit(self, call: _Call) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, name="corral-store-io", daemon=True).start()
+        self._calls.put(call)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                call = self._calls.get(timeout=_IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle:  # unclaimed: no call is on its way to this worker
+                        self._idle -= 1
+                        return
+                continue  # claimed just now: its call is being queued
+            call.run()
+            with self._lock:
+                # Idle before the caller wakes: its next call then finds this worker
+                # instead of starting another.
+                self._idle += 1
+            call.done.set()
 
     def _unavailable(self, what: str, why: str) -> StoreUnavailable:
         return StoreUnavailable(
@@ -74,7 +108,7 @@ class Bounded:
                 raise self._unavailable(what, "an earlier call has not returned yet")
             self._stuck = None
         call = _Call(lambda: self._translate(what, fn))
-        threading.Thread(target=call.run, name="corral-store-io", daemon=True).start()
+        self._submit(call)
         if not call.done.wait(self.timeout):
             self._stuck = call
             raise self._unavailable(what, f"no answer within {self.timeout:g} s")

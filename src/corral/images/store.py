@@ -114,6 +114,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _sig_of(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes whenever a file is replaced or rewritten."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _sig(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        return _sig_of(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
 def _hash_file(path: Path, step: Step | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -150,6 +162,8 @@ class LayerStore:
 
         self._io.call("opening it", make_dirs)
         self._verified: dict[str, tuple[int, int, int, int]] = {}
+        self._images: dict[str, tuple[tuple[int, int, int, int], ImageInfo]] = {}
+        """Name -> (its manifest file's signature, the image): see :meth:`image`."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -512,7 +526,19 @@ class LayerStore:
             )
 
     def image(self, ref: str) -> ImageInfo:
-        """An image by name or by ``sha256:`` manifest digest; ImageNotFound lists near names."""
+        """An image by name or by ``sha256:`` manifest digest; ImageNotFound lists near names.
+
+        Every create looks its image up: a name whose manifest file is unchanged (same
+        inode, size, mtime and ctime; a manifest is only ever replaced by a rename, so a
+        new one is a new inode) is answered from memory after one ``stat`` instead of a
+        read and a parse. Another node writing the shared store is seen at the next call.
+        """
+        cached = self._images.get(ref) if isinstance(ref, str) else None
+        if cached is not None:
+            sig, info = cached
+            path = self._image_path(ref)
+            if self._io.call(f"reading image {ref!r}", lambda: _sig(path)) == sig:
+                return info.model_copy(update={"layers": list(info.layers), "env": dict(info.env)})
         return self._io.call(f"reading image {ref!r}", lambda: self._image(ref))
 
     def _image(self, ref: str) -> ImageInfo:
@@ -523,8 +549,15 @@ class LayerStore:
                     return info
             raise ImageNotFound(f"no image in the store at {self.root} has digest {ref}")
         check_image_name(ref)
+        path = self._image_path(ref)
         try:
-            return ImageInfo.model_validate_json(self._image_path(ref).read_bytes())
+            with open(path, "rb") as f:
+                sig = _sig_of(os.fstat(f.fileno()))
+                info = ImageInfo.model_validate_json(f.read())
+            if len(self._images) >= 256:  # a handful of images per node in practice
+                self._images.clear()
+            self._images[ref] = (sig, info.model_copy(deep=True))
+            return info
         except FileNotFoundError:
             if not self.root.is_dir():
                 raise StoreUnavailable(

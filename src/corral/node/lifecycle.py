@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from corral.backends.base import Backend
 from corral.errors import (
@@ -133,12 +134,7 @@ class Lifecycle:
             self.state.add_event(sid, "create_failed", {"error": str(e)[:2000]})
             self.record("create", t, info, failed=True)
             if _out_of_space(e) and not isinstance(e, ScratchFull):
-                raise ScratchFull(
-                    f"creating sandbox {sid}: the node's scratch filesystem (every sandbox's "
-                    f"writable layer, {self.config.state_dir / 'scratch'}) is full: retry "
-                    "later or on another node; the operator frees space by destroying "
-                    f"sandboxes or gives the node a larger scratch_size ({e})"
-                ) from e
+                raise _no_space_error(sid, e, self.config.state_dir / "scratch") from e
             if isinstance(e, CorralError):
                 raise
             if isinstance(e, Exception):
@@ -347,6 +343,57 @@ def _out_of_space(e: BaseException | None) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+SCRATCH_LOW = 8 << 20
+"""Free bytes under which the scratch filesystem counts as full (a create's own needs)."""
+
+
+def _no_space_error(sid: str, e: BaseException, scratch: Path) -> CapacityError:
+    """What a create that met ENOSPC (``e``) reports: :class:`ScratchFull` only when the
+    scratch filesystem is the one that ran out (the failing path lies in it, or, with no
+    path known, it has less than :data:`SCRATCH_LOW` free); otherwise a CapacityError
+    naming what did (a host tmpfs such as the launcher's records: reporting those as a
+    full scratch sent operators to the wrong filesystem)."""
+    path = _failed_path(e)
+    free = _free_bytes(scratch)
+    if path is not None:
+        is_scratch = path == scratch or scratch in path.parents
+    else:
+        is_scratch = free is None or free < SCRATCH_LOW
+    if is_scratch:
+        return ScratchFull(
+            f"creating sandbox {sid}: the node's scratch filesystem (every sandbox's "
+            f"writable layer, {scratch}) is full: retry later or on another node; the "
+            "operator frees space by destroying sandboxes or gives the node a larger "
+            f"scratch_size ({e})"
+        )
+    where = f"the filesystem of {path}" if path is not None else "a host filesystem"
+    room = f"{free >> 20} MiB free" if free is not None else "room"
+    return CapacityError(
+        f"creating sandbox {sid}: {where} ran out of space (not the node's scratch "
+        f"filesystem {scratch}, which has {room}): retry later or on another node; the "
+        f"operator should look at that filesystem's size ({e})"
+    )
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes free for unprivileged data on ``path``'s filesystem (None: not known)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _failed_path(e: BaseException | None) -> Path | None:
+    """The file named by the first ENOSPC OSError in ``e``'s chain, if it names one."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename:
+            return Path(os.fsdecode(e.filename))
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def _check_fits(spec: SandboxSpec, cfg: NodeConfig) -> None:

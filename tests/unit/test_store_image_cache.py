@@ -1,0 +1,80 @@
+"""The image lookup every create makes: answered from memory while the manifest file is
+unchanged, re-read once it changes (here or on another node sharing the store), and run
+on reused worker threads that still serve concurrent callers side by side."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from corral.errors import ImageNotFound
+from corral.images._bounded import Bounded
+from corral.images.store import LayerStore
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> tuple[LayerStore, list[str]]:
+    store = LayerStore(tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    digests = []
+    for name in ("a", "b"):
+        (src / name).write_text(name)
+        digests.append(store.add_dir(src, kind="dir").digest)
+    return store, digests
+
+
+def test_unchanged_manifest_is_not_read_again(two, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store, (a, _) = two
+    store.put_image("t/x", [a], env={"K": "1"})
+    first = store.image("t/x")
+    reads = []
+    orig = store._image
+    monkeypatch.setattr(store, "_image", lambda ref: reads.append(ref) or orig(ref))
+    again = store.image("t/x")
+    assert again == first and reads == []
+    # Callers own what they get: changing it changes no later answer.
+    again.layers.append("sha256:" + "0" * 64)
+    again.env["K"] = "2"
+    assert store.image("t/x") == first
+
+
+def test_a_replaced_manifest_is_seen(two, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store, (a, b) = two
+    store.put_image("t/x", [a])
+    assert store.image("t/x").layers == [a]
+    store.put_image("t/x", [a, b])  # this store
+    assert store.image("t/x").layers == [a, b]
+    LayerStore(tmp_path / "store").put_image("t/x", [b])  # another node on the same store
+    assert store.image("t/x").layers == [b]
+    LayerStore(tmp_path / "store").remove_image("t/x")
+    with pytest.raises(ImageNotFound):
+        store.image("t/x")
+
+
+def test_workers_are_reused_and_concurrent_calls_run_side_by_side() -> None:
+    io = Bounded("/nowhere", timeout=30)
+    names: set[int] = set()
+    for _ in range(50):
+        names.add(io.call("x", threading.get_ident))
+    assert len(names) == 1  # one worker served every call made one after another
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        release.wait(60)
+
+    t = threading.Thread(target=io.call, args=("slow", slow))
+    t.start()
+    try:
+        assert started.wait(30)
+        # Answered while the first call still holds its worker: another worker serves it
+        # (one worker would leave it queued behind the slow call: StoreUnavailable).
+        assert io.call("fast", lambda: 42) == 42
+        assert not release.is_set()
+    finally:
+        release.set()
+        t.join()
