@@ -93,10 +93,13 @@ layer's profile for good."""
 _VERSION = 1
 _IDLE_S = 10.0
 
+# libc's mmap, munmap and mincore, declared once: the mapping's address must stay a
+# pointer (a ctypes default int would truncate it). tests/unit/test_prefetch.py maps its
+# anonymous regions with these too.
 _libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [
+c_mmap = _libc.mmap
+c_mmap.restype = ctypes.c_void_p
+c_mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -104,11 +107,11 @@ _mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_munmap = _libc.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+c_munmap = _libc.munmap
+c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _mincore = _libc.mincore
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class Store(Protocol):
@@ -127,8 +130,8 @@ def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
         size = os.fstat(fd).st_size
         if size == 0:
             return 0, []
-        addr = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        addr = c_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == MAP_FAILED:
             raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
         try:
             pages = (size + PAGE - 1) // PAGE
@@ -136,7 +139,7 @@ def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
             if _mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
         finally:
-            _munmap(addr, size)
+            c_munmap(addr, size)
     finally:
         os.close(fd)
     extents: list[tuple[int, int]] = []
