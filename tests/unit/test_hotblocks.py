@@ -142,7 +142,7 @@ def test_prefetch_reads_the_profile_and_then_nothing_new_is_recorded(cold: Path)
 def test_a_deferred_prefetch_reads_once_a_sandbox_is_up(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(2 * PAGE, 3 * PAGE)])
-    hot = HotBlocks(store)
+    hot = HotBlocks(store, defer=True)
     hot.prefetch("sha256:a", cold)  # the mount: the profile is read, the blocks are not
     assert hot.drain(30)
     assert _cached(cold) == []
@@ -158,7 +158,7 @@ def test_a_deferred_prefetch_reads_once_a_sandbox_is_up(cold: Path) -> None:
 def test_a_sandbox_up_before_the_profile_is_read_still_starts_it(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(8 * PAGE, PAGE)])
-    hot = HotBlocks(store)
+    hot = HotBlocks(store, defer=True)
     hot.prefetch("sha256:a", cold)
     hot.start(["sha256:a"])  # may come before the plan thread has read the profile
     assert hot.drain(30)
@@ -168,7 +168,7 @@ def test_a_sandbox_up_before_the_profile_is_read_still_starts_it(cold: Path) -> 
 def test_an_unmounted_layer_drops_its_held_reads(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(8 * PAGE, PAGE)])
-    hot = HotBlocks(store)
+    hot = HotBlocks(store, defer=True)
     hot.prefetch("sha256:a", cold)
     assert hot.drain(30)
     hot.forget("sha256:a")  # its only create failed and the layer went
@@ -177,10 +177,10 @@ def test_an_unmounted_layer_drops_its_held_reads(cold: Path) -> None:
     assert _cached(cold) == []
 
 
-def test_undeferred_prefetch_reads_at_the_mount(cold: Path) -> None:
+def test_prefetch_reads_at_the_mount_by_default(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(4 * PAGE, 2 * PAGE)])
-    hot = HotBlocks(store, defer=False)
+    hot = HotBlocks(store)
     hot.prefetch("sha256:a", cold)
     assert hot.drain(30)
     assert _cached(cold) == [(4 * PAGE, 2 * PAGE)]

@@ -9,24 +9,23 @@ waiting was in series.
 
 So a node records, once per layer, which parts of the layer file its sandboxes read, and
 keeps that profile on the store next to the layer (``layers/<hex>.hot``); the next node
-that mounts the layer reads the profile at the mount and, once the first sandbox using
-the layer is up (its create returned: :meth:`HotBlocks.start`), reads exactly those
-parts in file order, :data:`WORKERS` reads of :data:`READ_CHUNK` in flight. The
+that mounts the layer starts reading exactly those parts as soon as it mounts it,
+:data:`WORKERS` reads of :data:`READ_CHUNK` in flight, while the create goes on. The
 sandbox's faults then find the pages in the page cache, or wait for a read already under
 way. Measured (one image, 8 sandboxes at once, MooseFS behind 1 Gbit/s and 0.5 ms each
 way): the task took 0.21 s instead of 1.15 s. This is what DSec's and Nydus's prefetch
 lists and eStargz's "landmark" ordering do: what a task reads at start is much the same
 from one run to the next.
 
-Why not at the mount, and why so few reads in flight: the creates of a burst make store
-round trips of their own (the first create of a layer: lease, stamp, mount; every
-create: the image manifest), and on the link they queue behind every prefetch byte
-already sent for. Started at the mount with 16 x 256 KiB in flight, the prefetch made a
-64-sandbox burst's creates end 1.5 s later, which cost all the time it saved the tasks
-(docs/shared-store.md has the figures). Started when a sandbox is up, the create of the
-layer's first sandbox has nothing of it ahead, and 2 x 1 MiB in flight is at most 2 MiB
-ahead of a later create's round trip (16 ms of a 1 Gbit/s link; 4 MiB and 33 ms
-before).
+The catch: a burst's creates make store round trips of their own (a layer's first
+create: lease, stamp, mount; every create: the image manifest), and on the link they
+queue behind the prefetch bytes already asked for; a quiet 64-sandbox burst's creates
+ended 1.5 s later with prefetch. :data:`DEFER` (hold a layer's reads until its first
+sandbox is up: :meth:`HotBlocks.start`, which the backend calls when a create returns)
+with 2 x 1 MiB in flight keeps the first create clear and bounds the queue at 2 MiB;
+under load (23-64 on 2 cores) it did not finish bursts sooner than the default in the
+full-size bench pairs (docs/shared-store.md), so it is not the default. Quiet figures
+decide.
 
 What a profile is: the byte extents of the layer file that were in this node's page cache
 when the first sandbox using the layer was destroyed (``mincore`` over a read-only shared
@@ -49,7 +48,7 @@ Example::
 
     hot = HotBlocks(store)
     hot.prefetch("sha256:ab12...", store.path_of("sha256:ab12..."))   # at first mount
-    hot.start(["sha256:ab12..."])          # a sandbox using it is up: read the hot blocks
+    hot.start(["sha256:ab12..."])          # a sandbox using it is up (matters with defer)
     ...
     hot.record("sha256:ab12...", path)     # when a sandbox using the layer goes
     hot.drain(5.0)                         # node shutdown: let pending records finish
@@ -91,16 +90,16 @@ MAX_FRACTION = 0.5
 """A profile covering more of the file than this is not written (see the module doc)."""
 MAX_EXTENTS = 1 << 16
 """Extents a profile may hold (a 1 MiB file at most; a longer one is refused on load)."""
-READ_CHUNK = 1 << 20
-"""Bytes per prefetch read. Few, large reads: a burst's creates make store round trips of
-their own (the image manifest on every create, lease, stamp and mount on a layer's first),
-and each waits behind every prefetch byte already queued on the link; 2 x 1 MiB in
-flight keep that queue at ~2 MiB (16 ms at 1 Gbit/s) and the link still busy. The
-earlier choice, 16 x 256 KiB started at the mount, finished one image's 8 tasks soonest
-measured alone (0.21 s; 1 MiB reads 0.29-0.39 s; 4 x 256 KiB 0.40-0.72 s at load 10) but
-held a 64-sandbox burst's creates back by 1.5 s (docs/shared-store.md)."""
-WORKERS = 2
+READ_CHUNK = 256 << 10
+"""Bytes per prefetch read. Measured with 16 reads in flight: 256 KiB reads finished the
+task in 0.21 s, 1 MiB ones in 0.29-0.39 s (fewer, longer reads in flight). At load ~10,
+three interleaved runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB
+0.40-0.72, 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41)."""
+WORKERS = 16
 """Prefetch reads in flight per node."""
+DEFER = False
+"""Hold a layer's prefetch until a sandbox using it is up (see the module docstring: measured
+under load, not better; with it, 2 x 1 MiB reads are the variant that was measured)."""
 GROW = 0.1
 """A node whose sandboxes read this much more of a layer than its profile says (a
 fraction of the profile's pages) rewrites the profile as the union: a profile recorded
@@ -308,11 +307,9 @@ class _File:
 
 
 class HotBlocks:
-    """Prefetch of recorded hot blocks once a sandbox using the layer is up, and their
-    recording (see the module docstring). Thread-safe.
-
-    ``defer=False`` starts the reads at the mount instead (how it was first done; kept to
-    measure one against the other)."""
+    """Prefetch of recorded hot blocks from a layer's mount (with ``defer``: once a
+    sandbox using it is up), and their recording (see the module docstring).
+    Thread-safe."""
 
     def __init__(
         self,
@@ -320,7 +317,7 @@ class HotBlocks:
         *,
         workers: int = WORKERS,
         chunk: int = READ_CHUNK,
-        defer: bool = True,
+        defer: bool = DEFER,
     ) -> None:
         self._store = store
         self._chunk = chunk

@@ -10,11 +10,11 @@ With ``leases`` (images/leases.py), a marker on the store says which layers this
 mounted, so ``corral image gc`` run from any node keeps them: it is taken before a
 layer's first mount and dropped after its last unmount.
 
-With ``hot`` (images/hotblocks.py), a layer's first mount on this node reads its profile
-(the parts of the layer file that sandboxes read on the node that recorded it), and once
-the first sandbox using the layer is up (:meth:`LayerMounts.started`, called by the
-backend when a create returns) reads those parts in the background; when a sandbox using
-a layer without a profile goes, its reads are recorded.
+With ``hot`` (images/hotblocks.py), a layer's first mount on this node starts reading, in
+the background, the parts of the layer file that sandboxes read on the node that recorded
+its profile (with hotblocks' ``DEFER``: once the first sandbox using the layer is up,
+which the backend says through :meth:`LayerMounts.started` when a create returns); when
+a sandbox using a layer without a profile goes, its reads are recorded.
 
 Example::
 
