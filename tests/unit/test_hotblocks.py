@@ -131,11 +131,59 @@ def test_prefetch_reads_the_profile_and_then_nothing_new_is_recorded(cold: Path)
     store.profiles["sha256:a"] = encode(64 * PAGE, [(2 * PAGE, 3 * PAGE), (50 * PAGE, PAGE)])
     hot = HotBlocks(store)
     hot.prefetch("sha256:a", cold)
+    hot.start(["sha256:a"])
     assert hot.drain(30)
     assert _cached(cold) == [(2 * PAGE, 3 * PAGE), (50 * PAGE, PAGE)]
     hot.record("sha256:a", cold)
     assert hot.drain(30)
     assert store.saves == 0
+
+
+def test_a_deferred_prefetch_reads_once_a_sandbox_is_up(cold: Path) -> None:
+    store = FakeStore()
+    store.profiles["sha256:a"] = encode(64 * PAGE, [(2 * PAGE, 3 * PAGE)])
+    hot = HotBlocks(store, defer=True)
+    hot.prefetch("sha256:a", cold)  # the mount: the profile is read, the blocks are not
+    assert hot.drain(30)
+    assert _cached(cold) == []
+    hot.start(["sha256:a", "sha256:no-profile"])  # a create using it returned
+    assert hot.drain(30)
+    assert _cached(cold) == [(2 * PAGE, 3 * PAGE)]
+    pagecache.evict(cold)
+    hot.start(["sha256:a"])  # later creates: under way or done already, nothing again
+    assert hot.drain(30)
+    assert _cached(cold) == []
+
+
+def test_a_sandbox_up_before_the_profile_is_read_still_starts_it(cold: Path) -> None:
+    store = FakeStore()
+    store.profiles["sha256:a"] = encode(64 * PAGE, [(8 * PAGE, PAGE)])
+    hot = HotBlocks(store, defer=True)
+    hot.prefetch("sha256:a", cold)
+    hot.start(["sha256:a"])  # may come before the plan thread has read the profile
+    assert hot.drain(30)
+    assert _cached(cold) == [(8 * PAGE, PAGE)]
+
+
+def test_an_unmounted_layer_drops_its_held_reads(cold: Path) -> None:
+    store = FakeStore()
+    store.profiles["sha256:a"] = encode(64 * PAGE, [(8 * PAGE, PAGE)])
+    hot = HotBlocks(store, defer=True)
+    hot.prefetch("sha256:a", cold)
+    assert hot.drain(30)
+    hot.forget("sha256:a")  # its only create failed and the layer went
+    hot.start(["sha256:a"])
+    assert hot.drain(30)
+    assert _cached(cold) == []
+
+
+def test_prefetch_reads_at_the_mount_by_default(cold: Path) -> None:
+    store = FakeStore()
+    store.profiles["sha256:a"] = encode(64 * PAGE, [(4 * PAGE, 2 * PAGE)])
+    hot = HotBlocks(store)
+    hot.prefetch("sha256:a", cold)
+    assert hot.drain(30)
+    assert _cached(cold) == [(4 * PAGE, 2 * PAGE)]
 
 
 def test_prefetch_ignores_a_profile_of_another_size(cold: Path) -> None:
@@ -144,6 +192,7 @@ def test_prefetch_ignores_a_profile_of_another_size(cold: Path) -> None:
     hot = HotBlocks(store)
     hot.prefetch("sha256:a", cold)
     hot.prefetch("sha256:none", cold)  # no profile: nothing read
+    hot.start(["sha256:a", "sha256:none"])
     assert hot.drain(30)
     assert _cached(cold) == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import mmap
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 import corral
 from corral.host import prefetch
 from corral.host.prefetch import Mapping, RangeError
+from corral.images.hotblocks import MAP_FAILED, c_mmap, c_munmap
 from corral.testing import FakeNode
 from tests.unit.test_cli import cli, fake  # noqa: F401 - fixtures
 from tests.unit.test_sdk import client, short_dir, sync_client  # noqa: F401 - fixtures
@@ -70,24 +72,14 @@ def test_batches_respect_iov_max_and_the_byte_cap() -> None:
     assert prefetch.batches([]) == []
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
-_PROT_RW = 0x1 | 0x2
+_MAP_NORESERVE = 0x4000  # not in this Python's mmap module
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
 def _mmap(size: int) -> Mapping:
-    addr = _libc.mmap(None, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    addr = c_mmap(None, size, _PROT_RW, _FLAGS, -1, 0)
+    assert addr not in (None, MAP_FAILED), os.strerror(ctypes.get_errno())
     return Mapping(addr, addr + size, "rw-p", "")
 
 
@@ -97,7 +89,7 @@ def regions() -> Iterator[list[Mapping]]:
     got = [_mmap(4 * PAGE) for _ in range(3)]
     yield got
     for m in got:
-        _libc.munmap(m.start, m.size)
+        c_munmap(m.start, m.size)
 
 
 @pytest.fixture
@@ -115,7 +107,7 @@ def test_advise_in_several_calls(regions: list[Mapping], self_pidfd: int) -> Non
 
 def test_a_refused_range_does_not_stop_the_rest(regions: list[Mapping], self_pidfd: int) -> None:
     gone = regions[1]
-    _libc.munmap(gone.start, gone.size)  # unmapped after the maps were read: ENOMEM
+    c_munmap(gone.start, gone.size)  # unmapped after the maps were read: ENOMEM
     try:
         adv = prefetch.advise(self_pidfd, regions, pid=7)
         assert adv.errors == [RangeError(7, gone.start, gone.end, errno.ENOMEM)]
@@ -134,7 +126,7 @@ def test_a_range_over_the_kernel_cap_is_advised_whole(self_pidfd: int) -> None:
             adv = prefetch.advise(self_pidfd, [m], most_bytes=cap)
             assert (adv.bytes, adv.errors) == (3 * GIB, []), cap
     finally:
-        _libc.munmap(m.start, m.size)
+        c_munmap(m.start, m.size)
 
 
 def test_an_exited_process_ends_its_advice(regions: list[Mapping]) -> None:

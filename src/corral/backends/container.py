@@ -307,6 +307,7 @@ class ContainerBackend:
         undo: list[Callable[[], object]] = []
         try:
             pid = await self._create(sandbox_id, spec, image, undo, writable_from, phases)
+            self.layers.started(image.layers)  # their hot-block prefetch may start now
             return Started(pid=pid, cgroup=sandbox_id)
         except BaseException:
             await run_undo(undo)

@@ -1,4 +1,4 @@
-"""Hot-block profiles: fetch the parts of a layer that sandboxes read, many reads at once.
+"""Hot-block profiles: fetch the parts of a layer that sandboxes read, ahead of the faults.
 
 On a network store every page fault of a sandbox on a layer page that is not cached is
 one round trip to the store's servers, and a starting program faults one page after the
@@ -9,12 +9,23 @@ waiting was in series.
 
 So a node records, once per layer, which parts of the layer file its sandboxes read, and
 keeps that profile on the store next to the layer (``layers/<hex>.hot``); the next node
-that mounts the layer starts reading exactly those parts as soon as it mounts it, 16
-reads in flight, while the create goes on. The sandbox's faults then find the pages in
-the page cache, or wait for a read already under way. Measured (one image, 8 sandboxes
-at once, MooseFS behind 1 Gbit/s and 0.5 ms each way): the task took 0.21 s instead of
-1.15 s. This is what DSec's and Nydus's prefetch lists and eStargz's "landmark" ordering
-do: what a task reads at start is much the same from one run to the next.
+that mounts the layer starts reading exactly those parts as soon as it mounts it,
+:data:`WORKERS` reads of :data:`READ_CHUNK` in flight, while the create goes on. The
+sandbox's faults then find the pages in the page cache, or wait for a read already under
+way. Measured (one image, 8 sandboxes at once, MooseFS behind 1 Gbit/s and 0.5 ms each
+way): the task took 0.21 s instead of 1.15 s. This is what DSec's and Nydus's prefetch
+lists and eStargz's "landmark" ordering do: what a task reads at start is much the same
+from one run to the next.
+
+The catch: a burst's creates make store round trips of their own (a layer's first
+create: lease, stamp, mount; every create: the image manifest), and on the link they
+queue behind the prefetch bytes already asked for; a quiet 64-sandbox burst's creates
+ended 1.5 s later with prefetch. :data:`DEFER` (hold a layer's reads until its first
+sandbox is up: :meth:`HotBlocks.start`, which the backend calls when a create returns)
+with 2 x 1 MiB in flight keeps the first create clear and bounds the queue at 2 MiB;
+under load (23-64 on 2 cores) it did not finish bursts sooner than the default in the
+full-size bench pairs (docs/shared-store.md), so it is not the default. Quiet figures
+decide.
 
 What a profile is: the byte extents of the layer file that were in this node's page cache
 when the first sandbox using the layer was destroyed (``mincore`` over a read-only shared
@@ -37,6 +48,7 @@ Example::
 
     hot = HotBlocks(store)
     hot.prefetch("sha256:ab12...", store.path_of("sha256:ab12..."))   # at first mount
+    hot.start(["sha256:ab12..."])          # a sandbox using it is up (matters with defer)
     ...
     hot.record("sha256:ab12...", path)     # when a sandbox using the layer goes
     hot.drain(5.0)                         # node shutdown: let pending records finish
@@ -85,6 +97,9 @@ three interleaved runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 
 0.40-0.72, 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41)."""
 WORKERS = 16
 """Prefetch reads in flight per node."""
+DEFER = False
+"""Hold a layer's prefetch until a sandbox using it is up (see the module docstring: measured
+under load, not better; with it, 2 x 1 MiB reads are the variant that was measured)."""
 GROW = 0.1
 """A node whose sandboxes read this much more of a layer than its profile says (a
 fraction of the profile's pages) rewrites the profile as the union: a profile recorded
@@ -93,10 +108,13 @@ layer's profile for good."""
 _VERSION = 1
 _IDLE_S = 10.0
 
+# libc's mmap, munmap and mincore, declared once: the mapping's address must stay a
+# pointer (a ctypes default int would truncate it). tests/unit/test_prefetch.py maps its
+# anonymous regions with these too.
 _libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [
+c_mmap = _libc.mmap
+c_mmap.restype = ctypes.c_void_p
+c_mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -104,11 +122,11 @@ _mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_munmap = _libc.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+c_munmap = _libc.munmap
+c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _mincore = _libc.mincore
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class Store(Protocol):
@@ -127,8 +145,8 @@ def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
         size = os.fstat(fd).st_size
         if size == 0:
             return 0, []
-        addr = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        addr = c_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == MAP_FAILED:
             raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
         try:
             pages = (size + PAGE - 1) // PAGE
@@ -136,7 +154,7 @@ def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
             if _mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
         finally:
-            _munmap(addr, size)
+            c_munmap(addr, size)
     finally:
         os.close(fd)
     extents: list[tuple[int, int]] = []
@@ -289,22 +307,54 @@ class _File:
 
 
 class HotBlocks:
-    """Prefetch of recorded hot blocks at a layer's mount, and their recording (see the
-    module docstring). Thread-safe."""
+    """Prefetch of recorded hot blocks from a layer's mount (with ``defer``: once a
+    sandbox using it is up), and their recording (see the module docstring).
+    Thread-safe."""
 
-    def __init__(self, store: Store, *, workers: int = WORKERS, chunk: int = READ_CHUNK) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        workers: int = WORKERS,
+        chunk: int = READ_CHUNK,
+        defer: bool = DEFER,
+    ) -> None:
         self._store = store
         self._chunk = chunk
+        self._defer = defer
         self._plan = _Pool(2)  # reads profiles and records: a store round trip or a few
         self._reads = _Pool(workers)
         self._lock = threading.Lock()
         self._recorded: set[str] = set()
         """Layers this node has recorded (or tried to): one record per layer per node."""
+        self._up: set[str] = set()
+        """Mounted layers a sandbox using them is up on (:meth:`start`)."""
+        self._held: dict[str, tuple[Path, list[tuple[int, int]]]] = {}
+        """Planned reads of mounted layers no sandbox is up on yet."""
 
     def prefetch(self, digest: str, path: Path) -> None:
-        """Start reading the recorded hot blocks of layer ``digest`` (file ``path``);
-        returns at once."""
+        """At layer ``digest``'s mount (file ``path``): read its profile now and its hot
+        blocks once :meth:`start` says a sandbox using it is up (at once if not
+        ``defer``); returns at once."""
+        with self._lock:
+            self._up.discard(digest)
         self._plan.submit(lambda: self._prefetch(digest, path))
+
+    def start(self, digests: list[str]) -> None:
+        """A sandbox using layers ``digests`` is up (its create has returned): start
+        reading their hot blocks, if not under way already."""
+        for digest in digests:
+            with self._lock:
+                self._up.add(digest)
+                held = self._held.pop(digest, None)
+            if held is not None:
+                self._issue(*held)
+
+    def forget(self, digest: str) -> None:
+        """Layer ``digest`` is unmounted: drop its held reads."""
+        with self._lock:
+            self._up.discard(digest)
+            self._held.pop(digest, None)
 
     def _prefetch(self, digest: str, path: Path) -> None:
         data = self._store.hot_profile(digest)
@@ -317,7 +367,18 @@ class HotBlocks:
         reads = chunks(extents, self._chunk)
         if not reads:
             return
-        f = _File(path, len(reads))
+        with self._lock:
+            if self._defer and digest not in self._up:
+                self._held[digest] = (path, reads)
+                return
+        self._issue(path, reads)
+
+    def _issue(self, path: Path, reads: list[tuple[int, int]]) -> None:
+        try:
+            f = _File(path, len(reads))
+        except OSError as e:  # unmounted and removed meanwhile
+            log.debug("hot blocks of %s: %s", path, e)
+            return
         for off, length in reads:
             self._reads.submit(functools.partial(f.read, off, length))
 

@@ -12,7 +12,9 @@ layer's first mount and dropped after its last unmount.
 
 With ``hot`` (images/hotblocks.py), a layer's first mount on this node starts reading, in
 the background, the parts of the layer file that sandboxes read on the node that recorded
-its profile; when a sandbox using a layer without a profile goes, its reads are recorded.
+its profile (with hotblocks' ``DEFER``: once the first sandbox using the layer is up,
+which the backend says through :meth:`LayerMounts.started` when a create returns); when
+a sandbox using a layer without a profile goes, its reads are recorded.
 
 Example::
 
@@ -154,6 +156,8 @@ class LayerMounts:
             if n > 1:
                 return
             self._unmount(raw, idm)
+            if self._hot is not None:
+                self._hot.forget(digest)
             with self._lock:
                 del self._counts[digest]
                 self._files.pop(digest, None)
@@ -208,6 +212,13 @@ class LayerMounts:
                 self._mount(digest, raw, idm, verify=not mounts.is_mountpoint(raw))
                 with self._lock:
                     self._counts[digest] = counts[digest]
+        self.started(list(wanted.values()))  # the adopted sandboxes are up
+
+    def started(self, digests: list[str]) -> None:
+        """A sandbox using layers ``digests`` is up: their hot-block prefetch may start
+        (see :meth:`HotBlocks.start`)."""
+        if self._hot is not None:
+            self._hot.start(digests)
 
     def mounted(self) -> dict[str, int]:
         """{digest: refcount} of the layers mounted now."""
