@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -75,11 +76,31 @@ def run_bench(
     argv += ["--state-dir", str(state), "--run-dir", str(run), "--cgroup-subtree", subtree]
     argv += ["--store", str(store)] if store is not None else []
     argv += ["--image", image]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:  # its timeout, pytest-timeout's, ^C: leave nothing of its node
+        proc.kill()  # sandboxes outlive their node by design (adoption): gc them below
+        proc.communicate()
+        _gc_bench_node(state, run, subtree, store)
+        raise
+    r = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines, r.stderr[-3000:]
     return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _gc_bench_node(state: Path, run: Path, subtree: str, store: Path | None) -> None:
+    """What `corral node gc --all` does, on a bench node that was stopped mid-run."""
+    from corral.bench.scenarios import BenchOptions
+    from corral.cli.node import _gc
+
+    opts = BenchOptions(state_dir=state, run_dir=run, subtree=subtree, store=store)
+    try:
+        asyncio.run(_gc(opts.node_config(), True))
+    except Exception as e:  # noqa: BLE001 - the test's own failure is the one to report
+        print(f"gc of the stopped bench node on {state} failed: {type(e).__name__}: {e}")
 
 
 @contextlib.asynccontextmanager
