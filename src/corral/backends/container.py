@@ -9,8 +9,10 @@ Create, in order (each step undone if a later one fails):
   4. a listening control socket in the sandbox dir (host side only; the guest never sees it),
   5. config.json, then ``runc run --detach --preserve-fds 1`` with that socket as fd 3.
 No process of ours stays per sandbox: runc exits, the init lives on in the container.
-Steps 2-4 (and the launcher's cgroups) are kernel work done in one worker thread, not on
-the node's event loop (see ``_create``).
+Steps 2-4 (and the launcher's cgroups) are one synchronous ``_prepare`` on the event loop:
+in a worker thread they cost the node ~1 ms more CPU per create (GIL handoffs around each
+syscall) and gained no creates/s on 2 cores (docs/design-notes.md, "The create's kernel
+work off the event loop").
 """
 
 from __future__ import annotations
@@ -322,13 +324,9 @@ class ContainerBackend:
         base: str | None,
         phases: Phases,
     ) -> int:
-        """The steps of the module docstring. The kernel work (the subvolume, the overlay,
-        the control socket and, for the launcher, the cgroups) runs in one worker thread
-        (:meth:`_prepare`): the same syscalls on the event loop held it ~60% of a create
-        at concurrency 8, while in a thread they release the GIL and use another core.
-        Each step records its undo as soon as it is done, in that thread too; ``in_thread``
-        waits for the thread even when the create is cancelled, so the undo never runs
-        before what it undoes exists."""
+        """The steps of the module docstring: the kernel work (the subvolume, the overlay,
+        the control socket and, for the launcher, the cgroups) is one synchronous step,
+        :meth:`_prepare`, which records each undo as soon as its step is done."""
         with phases.phase("layer_mounts"):
             lowers = await self._acquire_layers(image, undo)
         owner: int | None = None
@@ -343,11 +341,11 @@ class ContainerBackend:
         try:
             config, cgroup = None, None
             if not self.host_mounted_root:
-                # Built first, so that its cgroups are made in the same worker thread.
+                # Built first, so that _prepare makes its cgroups with the rest.
                 config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
                 cgroup = (config["linux"]["resources"], latency)
             prepare = functools.partial(self._prepare, sandbox_id, spec, base, lowers, undo, made)
-            await in_thread(prepare, phases, cgroup)
+            prepare(phases, cgroup)
             if config is not None:
                 return await self._launch(sandbox_id, spec, config, undo, phases, made, owner)
             return await self._run_oci(sandbox_id, spec, image, undo, phases, made, owner, latency)
@@ -391,10 +389,9 @@ class ContainerBackend:
         phases: Phases,
         cgroup: tuple[dict[str, Any], bool] | None,
     ) -> None:
-        """In a worker thread: the sandbox dir, the overlay rootfs, the control socket and,
-        with ``cgroup`` (the config's resources and the latency class; the launcher), the
-        sandbox's cgroups. Appends each step's undo once it is done (list.append is atomic;
-        the event loop reads ``undo`` only after this returns)."""
+        """The sandbox dir, the overlay rootfs, the control socket and, with ``cgroup``
+        (the config's resources and the latency class; the launcher), the sandbox's
+        cgroups. Appends each step's undo once it is done."""
         with phases.phase("rootfs"):
             _check_room(self.scratch.mountpoint)
             sub = self._make_dir(sandbox_id, spec, base, undo)
