@@ -43,9 +43,9 @@ LOCK_FILE = Path("/run/corral-userns-owners.lock")
 """Host-wide: one locked byte per owner uid in use by any corral node on this host, in the
 shard ``LOCK_FILE.<uid % SHARDS>``."""
 SHARDS = 64
-"""Lock files the uids are spread over. The kernel keeps a file's POSIX locks in one list
-that every lock and unlock walks, and random uids' bytes do not coalesce: with one file,
-a create's lock cost grew with the live count (``posix_lock_inode``, 0.14 -> 0.36 ms of
+"""Lock files the uids are spread over (a node opens all of them at start). The kernel
+keeps a file's POSIX locks in one list that every lock and unlock walks, and random uids'
+bytes do not coalesce: with one file, a create's lock cost grew with the live count (``posix_lock_inode``, 0.14 -> 0.36 ms of
 CPU per create from 200 to 800 live sandboxes; perf, tools/profile_scale.py)."""
 
 _F_OFD_SETLK = 37
@@ -68,12 +68,17 @@ class OwnerUids:
         self._held: set[int] = set()
         self._lock = threading.Lock()
         self._lock_file = lock_file
-        self._fds: dict[int, int] = {}  # shard -> fd, opened on first use
-        self._shard_fd(first % SHARDS)  # an unusable lock directory fails at start
+        self._fds: dict[int, int] = {}  # shard -> fd
+        try:
+            for shard in range(SHARDS):  # all at start: a node's fd count stays flat after
+                self._shard_fd(shard)
+        except HostError:
+            self.close()
+            raise
 
     def _shard_fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
-        if fd is None:
+        if fd is None:  # only at start, or after close
             path = f"{self._lock_file}.{shard}"
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
