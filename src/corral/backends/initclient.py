@@ -258,7 +258,33 @@ def _proc_from(
 # ---------------------------------------------------------------- connection
 
 
-class _Conn:
+class _Framed:
+    """What both connections say about their answers (``frame`` is theirs)."""
+
+    path: str
+    op: str
+
+    async def frame(self) -> tuple[int, bytes]:
+        raise NotImplementedError
+
+    async def first_frame(self, timeout: float) -> tuple[int, bytes]:
+        """The answer's first frame, which a working init sends at once."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.frame()
+        except TimeoutError:
+            raise SandboxError(
+                f"init at {self.path} did not start {self.op} within {timeout:g} s "
+                "(init stuck or frozen?)"
+            ) from None
+
+    def unexpected(self, t: int) -> SandboxError:
+        return SandboxError(
+            f"init at {self.path} broke the protocol: frame {chr(t)!r} during {self.op}"
+        )
+
+
+class _Conn(_Framed):
     """One connection: frame reads over a StreamReader, with clear errors."""
 
     __slots__ = ("reader", "writer", "path", "op")
@@ -288,22 +314,6 @@ class _Conn:
             raise _error(body, self.op, self.path)
         return t, body
 
-    async def first_frame(self, timeout: float) -> tuple[int, bytes]:
-        """The answer's first frame, which a working init sends at once."""
-        try:
-            async with asyncio.timeout(timeout):
-                return await self.frame()
-        except TimeoutError:
-            raise SandboxError(
-                f"init at {self.path} did not start {self.op} within {timeout:g} s "
-                "(init stuck or frozen?)"
-            ) from None
-
-    def unexpected(self, t: int) -> SandboxError:
-        return SandboxError(
-            f"init at {self.path} broke the protocol: frame {chr(t)!r} during {self.op}"
-        )
-
     def send(self, data: bytes) -> None:
         try:
             self.writer.write(data)
@@ -314,7 +324,7 @@ class _Conn:
         self.writer.close()
 
 
-class _SockConn:
+class _SockConn(_Framed):
     """One exec's connection read straight off its non-blocking socket.
 
     Why not :class:`_Conn`: a StreamReader copies every byte four times on the event loop
@@ -370,22 +380,6 @@ class _SockConn:
             self.since_yield = 0
             await asyncio.sleep(0)
         return t, body
-
-    async def first_frame(self, timeout: float) -> tuple[int, bytes]:
-        """The answer's first frame, which a working init sends at once."""
-        try:
-            async with asyncio.timeout(timeout):
-                return await self.frame()
-        except TimeoutError:
-            raise SandboxError(
-                f"init at {self.path} did not start {self.op} within {timeout:g} s "
-                "(init stuck or frozen?)"
-            ) from None
-
-    def unexpected(self, t: int) -> SandboxError:
-        return SandboxError(
-            f"init at {self.path} broke the protocol: frame {chr(t)!r} during {self.op}"
-        )
 
     def send(self, data: bytes) -> None:
         """Send ``data`` without waiting: what the socket does not take at once (big
