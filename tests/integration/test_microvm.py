@@ -293,6 +293,10 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
         with pytest.raises(CorralError, match="restore from mem.snap failed"):
             await vmnode.sandbox_resume(sid)
         assert not _vmm_procs()
+        # still saved and paused (not "running" with no VMM, which the reaper would take
+        # for a dead sandbox and destroy under the caller)
+        assert (await vmnode.sandbox_get(sid)).state == "paused"
+        assert b.saved(sid) and b.alive(sid)
     finally:
         await vmnode.sandbox_destroy(sid)
     assert not _vmm_procs()

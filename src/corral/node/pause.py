@@ -322,12 +322,15 @@ class Pauser:
         if own:
             self._deferred[sandbox_id] = None
         try:
-            info = self.wake(sandbox_id, transparent=False)
-            task = self._tasks.get(sandbox_id)
-            if task is not None:
-                info = await asyncio.shield(task)
-            if mem and info.state == "running" and self._restore_memory is not None:
-                await self._restore_memory(sandbox_id)  # else the first request would
+            if mem and info.state == "paused" and self._restore_memory is not None:
+                info = await self._restore(sandbox_id, info)
+            else:
+                info = self.wake(sandbox_id, transparent=False)
+                task = self._tasks.get(sandbox_id)
+                if task is not None:
+                    info = await asyncio.shield(task)
+                if mem and info.state == "running" and self._restore_memory is not None:
+                    await self._restore_memory(sandbox_id)  # else the first request would
         finally:
             detail = self._deferred.pop(sandbox_id, None) if own else None
         if detail is None:  # not woken by this call (held frozen, destroyed meanwhile)
@@ -339,6 +342,27 @@ class Pauser:
         finally:
             self._event(sandbox_id, "resumed", detail)
         return info
+
+    async def _restore(self, sid: str, info: SandboxInfo) -> SandboxInfo:
+        """Resume a machine saved by a memory-snapshot pause: ``resuming`` while the backend
+        restores it, ``running`` once it runs. A restore that fails (a corrupt or missing
+        file) leaves it ``paused`` and still saved: the error is the caller's, the reaper
+        does not take a saved machine for a dead one, and destroy still works."""
+        assert self._restore_memory is not None
+        t0 = time.monotonic()
+        info = self._set(info, "resuming")
+        try:
+            await self._restore_memory(sid)
+        except BaseException:
+            cur = self._get(sid)
+            if cur is not None and cur.state == "resuming":
+                self._set(cur, "paused")
+            raise
+        self._mem_paused.discard(sid)
+        cur = self._get(sid)
+        if cur is None or cur.state != "resuming":
+            return cur or info  # destroyed meanwhile
+        return self._finish_wake(cur, t0, transparent=False, thaw=False)
 
     async def _prefetch(self, sid: str) -> dict[str, Any]:
         """MADV_WILLNEED over all mappings of the sandbox's processes, in a thread (the

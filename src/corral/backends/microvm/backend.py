@@ -94,6 +94,9 @@ class MicroVMBackend:
         self.sandboxes_dir = ctx.scratch.mountpoint
         self._dir = ctx.state_dir / "microvm"
         self._mux: dict[str, HostMux] = {}
+        # One restore at a time per sandbox: resume() and a request's wake (the mux) may
+        # both start one; the second waits and finds the VMM running.
+        self._restoring: dict[str, asyncio.Lock] = {}
         self._clients: dict[str, InitClient] = {}
         self._started = False
         self.accel = ""
@@ -227,18 +230,14 @@ class MicroVMBackend:
 
     def alive(self, sandbox_id: str) -> bool:
         """The VMM runs, or the VM is saved to a memory snapshot (its netns holder runs)."""
-        pid = self.vmm_pid(sandbox_id)
-        if pid is None and self.saved(sandbox_id):
-            with contextlib.suppress(SandboxError):
-                pid = self._holder(sandbox_id)
-        if pid is None:
+        if _running(self.vmm_pid(sandbox_id)):
+            return True
+        if not self.saved(sandbox_id):
             return False
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        try:  # a VMM just ended by a save or a failed restore may still be a zombie
+            return _running(self._holder(sandbox_id))
+        except SandboxError:
             return False
-        return state not in (b"Z", b"X")
 
     # ------------------------------------------------------------------ lifecycle
     async def create(
@@ -419,6 +418,7 @@ class MicroVMBackend:
     async def _drop_mux(self, sandbox_id: str) -> None:
         self._clients.pop(sandbox_id, None)
         mux = self._mux.pop(sandbox_id, None)
+        self._restoring.pop(sandbox_id, None)
         if mux is not None:
             await mux.close()
 
@@ -546,7 +546,13 @@ class MicroVMBackend:
     ) -> float:
         """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
         snapshot file is removed once the guest runs. Returns the seconds it took. A
-        corrupt or missing snapshot is a SandboxError naming it (the VMM killed)."""
+        corrupt or missing snapshot is a SandboxError naming it (the VMM killed, and gone
+        before it returns; the snapshot file kept)."""
+        lock = self._restoring.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            return await self._restore(sandbox_id, timeout, new_netns)
+
+    async def _restore(self, sandbox_id: str, timeout: float, new_netns: bool) -> float:
         d = self.dir(sandbox_id)
         if self.vmm_pid(sandbox_id) is not None:
             return 0.0
@@ -573,6 +579,8 @@ class MicroVMBackend:
             pid = self.vmm_pid(sandbox_id)
             if pid is not None:
                 _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
+                while self.vmm_pid(sandbox_id) is not None:  # gone before the error is
+                    await asyncio.sleep(0.01)  # seen: the sandbox is saved, not half up
             if isinstance(e, SandboxError):
                 raise SandboxError(
                     f"sandbox {sandbox_id}: restore from {snap.name} failed: {e}"
@@ -862,6 +870,18 @@ def _make_disk(path: Path, size: int) -> None:
     )
     if r.returncode != 0:
         raise HostError(f"microvm writable disk: mkfs.ext4 failed: {r.stderr.strip()[-300:]}")
+
+
+def _running(pid: int | None) -> bool:
+    """``pid`` is a process that has not exited (not a zombie)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def _pidfd_kill(pid: int, in_cgroup: Callable[[int], bool]) -> None:
