@@ -42,7 +42,7 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from corral.errors import SandboxError
 from corral.host import pagecache
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Sandbox
+from corral.spec import Stats
 
 __all__ = ["ondemand", "disk_writes", "drop_cache", "open_dfs", "stamp_all", "Figures"]
 
@@ -99,15 +100,50 @@ drop_cache = pagecache.evict
 
 @dataclass
 class Figures:
-    """One mode's result."""
+    """One mode's result; ``breakdown``: where the time went (:func:`breakdown`)."""
 
     all_ready_s: float
     done_s: float
     local_writes_mib: float
     store_reads_mib: float
+    breakdown: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in self.__dict__.items()}
+        return {k: round(getattr(self, k), 3) for k in _FIGURES}
+
+
+_FIGURES = ("all_ready_s", "done_s", "local_writes_mib", "store_reads_mib")
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    """p50 and max of ``values`` (nearest rank), rounded to the millisecond."""
+    v = sorted(values)
+    return {"p50": round(v[(len(v) - 1) // 2], 3), "max": round(v[-1], 3)} if v else {}
+
+
+def breakdown(
+    waits: list[float], creates: list[float], tasks: list[float], stats: Stats | None
+) -> dict[str, Any]:
+    """Where a burst's time went, per sandbox (p50 and max, seconds): ``queued`` (waiting
+    for a --concurrency slot), ``create`` (the create call as the client saw it), ``task``
+    (the exec of the task, from the create's answer to its end) and the node's own
+    phases of the creates (``corral stats``: layer_mounts, rootfs, runtime_start, ...) and
+    of the execs. Figures for reading, not for the targets: they do not change what
+    ``all_ready_s`` and ``done_s`` measure."""
+    out: dict[str, Any] = {
+        "queued": _pct(waits),
+        "create": _pct(creates),
+        "task": _pct(tasks),
+    }
+    if stats is not None:
+        for op in ("create", "exec"):
+            st = stats.ops.get(op)
+            if st is not None:
+                out[f"node_{op}"] = {
+                    name: {"p50": round(p.p50, 3), "max": round(p.max, 3)}
+                    for name, p in sorted(st.phases.items())
+                }
+    return out
 
 
 # ---------------------------------------------------------------------- set-up
@@ -265,6 +301,9 @@ async def run_burst(
             sem = asyncio.Semaphore(concurrency)
             ready: list[float] = []
             done: list[float] = []
+            waits: list[float] = []
+            creates: list[float] = []
+            tasks: list[float] = []
             os.sync()
             w0 = disk_writes(opts.state_dir.parent)
             r0 = link.link_bytes()[1] if link else 0
@@ -272,26 +311,38 @@ async def run_burst(
 
             async def one(i: int) -> None:
                 async with sem:
+                    t1 = time.monotonic()
                     sb = await client.sandboxes.create(image=images[i % len(images)])
+                    t2 = time.monotonic()
                     sbs.append(sb)
-                    ready.append(time.monotonic() - t0)
+                    ready.append(t2 - t0)
                 r = await sb.exec(task, timeout=600)
                 if r.exit_code != 0:
                     raise SandboxError(f"task failed in {sb.id}: {r.stderr[-500:]!r}")
                 done.append(time.monotonic() - t0)
+                waits.append(t1 - t0)
+                creates.append(t2 - t1)
+                tasks.append(done[-1] - ready[-1])
 
             try:
                 await _all(one(i) for i in range(sandboxes))
                 os.sync()
                 writes = disk_writes(opts.state_dir.parent) - w0
                 reads = (link.link_bytes()[1] - r0) if link else 0
+                stats = await client.stats()
             finally:
                 # Also on failure: a node keeps its sandboxes when it closes.
                 await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
     finally:
         shutil.rmtree(opts.state_dir, ignore_errors=True)
         shutil.rmtree(opts.run_dir, ignore_errors=True)
-    return Figures(max(ready), max(done), writes / MIB, reads / MIB)
+    return Figures(
+        max(ready),
+        max(done),
+        writes / MIB,
+        reads / MIB,
+        breakdown(waits, creates, tasks, stats),
+    )
 
 
 # ---------------------------------------------------------------------- the scenario
@@ -379,6 +430,7 @@ async def ondemand(
                 prefetch=prefetch,
             )
             out["modes"][mode] = fig.as_dict()
+            out.setdefault("breakdown", {})[mode] = fig.breakdown
         m = out["modes"]
         out["speedup_vs_eager"] = round(m["eager"]["done_s"] / m["ondemand"]["done_s"], 2)
         out["writes_ratio_vs_eager"] = round(

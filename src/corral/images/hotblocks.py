@@ -315,15 +315,17 @@ class HotBlocks:
         self,
         store: Store,
         *,
-        workers: int = WORKERS,
-        chunk: int = READ_CHUNK,
-        defer: bool = DEFER,
+        workers: int | None = None,
+        chunk: int | None = None,
+        defer: bool | None = None,
     ) -> None:
+        # The module's switches are read here, not bound as defaults: a bench (or an
+        # operator's test) that flips them affects the nodes it opens afterwards.
         self._store = store
-        self._chunk = chunk
-        self._defer = defer
+        self._chunk = READ_CHUNK if chunk is None else chunk
+        self._defer = DEFER if defer is None else defer
         self._plan = _Pool(2)  # reads profiles and records: a store round trip or a few
-        self._reads = _Pool(workers)
+        self._reads = _Pool(WORKERS if workers is None else workers)
         self._lock = threading.Lock()
         self._recorded: set[str] = set()
         """Layers this node has recorded (or tried to): one record per layer per node."""
