@@ -1,15 +1,18 @@
 """The image lookup every create makes: answered from memory while the manifest file is
 unchanged, re-read once it changes (here or on another node sharing the store), and run
-on reused worker threads that still serve concurrent callers side by side."""
+on reused worker threads that still serve concurrent callers side by side; awaited from
+the event loop without blocking it (``image_async``, ``Bounded.acall``)."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import threading
 from pathlib import Path
 
 import pytest
 
-from corral.errors import ImageNotFound
+from corral.errors import ImageNotFound, StoreUnavailable
 from corral.images._bounded import Bounded
 from corral.images.store import LayerStore
 
@@ -78,3 +81,44 @@ def test_workers_are_reused_and_concurrent_calls_run_side_by_side() -> None:
     finally:
         release.set()
         t.join()
+
+
+async def test_image_async_answers_as_image_does(two) -> None:  # type: ignore[no-untyped-def]
+    store, (a, b) = two
+    store.put_image("t/x", [a, b], env={"K": "1"})
+    assert await store.image_async("t/x") == store.image("t/x")  # read, then from memory
+    assert await store.image_async("t/x") == store.image("t/x")
+    with pytest.raises(ImageNotFound, match="did you mean t/x"):
+        await store.image_async("t/y")
+
+
+async def test_acall_lets_the_event_loop_run_during_the_call() -> None:
+    io = Bounded("/nowhere", timeout=60)
+    gate = threading.Event()
+
+    async def opener() -> None:
+        gate.set()  # runs only if the loop is free while the call below waits
+
+    task = asyncio.create_task(opener())
+    assert await io.acall("x", lambda: gate.wait(30)) is True
+    await task
+
+
+async def test_acall_gives_up_and_fails_fast_while_stuck() -> None:
+    gate = threading.Event()
+    io = Bounded("/srv/store", timeout=0.2)
+    with pytest.raises(StoreUnavailable, match="no answer within 0.2 s"):
+        await io.acall("reading image 'x'", gate.wait)
+    with pytest.raises(StoreUnavailable, match="has not returned yet"):
+        await io.acall("reading image 'x'", lambda: 1)
+    stuck = io._stuck
+    assert stuck is not None
+    gate.set()  # the filesystem answers again
+    assert stuck.done.wait(10)
+    assert await io.acall("reading image 'x'", lambda: 1) == 1
+    with pytest.raises(StoreUnavailable, match="Transport endpoint"):
+        await io.acall("x", _gone)
+
+
+def _gone() -> None:
+    raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")

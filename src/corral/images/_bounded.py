@@ -13,12 +13,20 @@ call (up to ``_IDLE`` seconds) instead of ending: a thread started per call cost
 create a ``clone`` and a thread's setup on the event loop. A call that finds no idle
 worker starts one, so concurrent callers still run side by side.
 
+:meth:`Bounded.acall` is the same for a coroutine: the caller awaits the worker's answer
+instead of blocking its thread on it, so an event loop goes on serving other requests
+during the round trip (the node's ``sandbox_create`` looks its image up this way: on a
+network store a blocking wait stalled every create and exec of the node for one round
+trip per create).
+
 Errors that mean "the transport is gone" (ENOTCONN of a dead FUSE daemon, EIO, ESTALE,
 EHOSTDOWN...) become StoreUnavailable too; other errors pass through unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import queue
 import threading
@@ -40,9 +48,11 @@ _GONE = frozenset(
 
 
 class _Call:
-    def __init__(self, fn: Callable[[], object]) -> None:
+    def __init__(self, fn: Callable[[], object], notify: Callable[[], None] | None = None) -> None:
         self.fn = fn
         self.done = threading.Event()
+        self.notify = notify
+        """Called by the worker after ``done`` is set (an awaiting caller's wake-up)."""
         self.value: object = None
         self.error: BaseException | None = None
 
@@ -90,6 +100,8 @@ class Bounded:
                 # instead of starting another.
                 self._idle += 1
             call.done.set()
+            if call.notify is not None:
+                call.notify()
 
     def _unavailable(self, what: str, why: str) -> StoreUnavailable:
         return StoreUnavailable(
@@ -116,6 +128,33 @@ class Bounded:
             raise call.error
         return call.value  # type: ignore[return-value]
 
+    async def acall(self, what: str, fn: Callable[[], T]) -> T:
+        """:meth:`call` for a coroutine: awaits the worker (the event loop runs on)."""
+        if self.timeout is None:
+            return await asyncio.to_thread(self._translate, what, fn)
+        stuck = self._stuck
+        if stuck is not None:
+            if not stuck.done.is_set():
+                raise self._unavailable(what, "an earlier call has not returned yet")
+            self._stuck = None
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # on the worker: the loop may be closed by now
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, answered)
+
+        call = _Call(lambda: self._translate(what, fn), wake)
+        self._submit(call)
+        try:
+            await asyncio.wait_for(answered, self.timeout)
+        except TimeoutError:
+            self._stuck = call
+            raise self._unavailable(what, f"no answer within {self.timeout:g} s") from None
+        if call.error is not None:
+            raise call.error
+        return call.value  # type: ignore[return-value]
+
     def _translate(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
@@ -123,3 +162,8 @@ class Bounded:
             if e.errno in _GONE:
                 raise self._unavailable(what, e.strerror or str(e)) from None
             raise
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # not cancelled by the caller's deadline meanwhile
+        fut.set_result(None)

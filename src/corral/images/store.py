@@ -533,13 +533,20 @@ class LayerStore:
         new one is a new inode) is answered from memory after one ``stat`` instead of a
         read and a parse. Another node writing the shared store is seen at the next call.
         """
+        return self._io.call(f"reading image {ref!r}", lambda: self._image_fresh(ref))
+
+    async def image_async(self, ref: str) -> ImageInfo:
+        """:meth:`image` for the event loop: the lookup's store round trip is awaited, not
+        waited for, so the loop serves other requests meanwhile."""
+        return await self._io.acall(f"reading image {ref!r}", lambda: self._image_fresh(ref))
+
+    def _image_fresh(self, ref: str) -> ImageInfo:
         cached = self._images.get(ref) if isinstance(ref, str) else None
         if cached is not None:
             sig, info = cached
-            path = self._image_path(ref)
-            if self._io.call(f"reading image {ref!r}", lambda: _sig(path)) == sig:
+            if _sig(self._image_path(ref)) == sig:
                 return info.model_copy(update={"layers": list(info.layers), "env": dict(info.env)})
-        return self._io.call(f"reading image {ref!r}", lambda: self._image(ref))
+        return self._image(ref)
 
     def _image(self, ref: str) -> ImageInfo:
         if isinstance(ref, str) and ref.startswith("sha256:"):

@@ -322,7 +322,9 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     async def sandbox_create(self, spec: SandboxSpec) -> SandboxInfo:
         self.life.check_open()
-        return await self.life.create(spec, self.store.image(spec.image))
+        # Awaited, not waited for: on a network store the lookup is a round trip, and the
+        # loop serves the node's other creates and execs meanwhile.
+        return await self.life.create(spec, await self.store.image_async(spec.image))
 
     async def sandbox_get(self, sandbox_id: str) -> SandboxInfo:
         return await self.life.get(sandbox_id)
