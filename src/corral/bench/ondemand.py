@@ -319,10 +319,11 @@ async def run_burst(
                 r = await sb.exec(task, timeout=600)
                 if r.exit_code != 0:
                     raise SandboxError(f"task failed in {sb.id}: {r.stderr[-500:]!r}")
-                done.append(time.monotonic() - t0)
+                t3 = time.monotonic()
+                done.append(t3 - t0)
                 waits.append(t1 - t0)
                 creates.append(t2 - t1)
-                tasks.append(done[-1] - ready[-1])
+                tasks.append(t3 - t2)
 
             try:
                 await _all(one(i) for i in range(sandboxes))
