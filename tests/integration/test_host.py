@@ -528,6 +528,58 @@ def test_layer_mounts_with_hot_blocks_count_like_without(root: Path) -> None:
             mounts.umount(m)
 
 
+def test_layer_mounts_take_the_lease_beside_the_verification_and_before_the_mount(
+    root: Path,
+) -> None:
+    """The lease is taken in a thread of its own while the layer is verified (both are
+    store round trips), and is on the store before the EROFS mount; a layer that fails
+    its verification leaves no lease, and a lease that cannot be taken leaves no mount."""
+    from corral.errors import StoreUnavailable
+
+    good, bad, gone = ("sha256:" + c * 64 for c in "789")
+    image = make_layer(root, "f", {"etc/f": "f"})
+    mroot = root / "leased"
+    events: list[tuple[str, str]] = []
+    in_verify = threading.Event()
+    lease_started = threading.Event()
+
+    class Leases:
+        def take(self, d: str) -> None:
+            lease_started.set()
+            assert in_verify.wait(30)  # taken while the layer is being verified
+            events.append(("take", d))
+            assert not mounts.is_mountpoint(mroot / "raw" / d.split(":")[1])
+            if d == gone:
+                raise StoreUnavailable("the layer store is unavailable (test)")
+
+        def drop(self, d: str) -> None:
+            events.append(("drop", d))
+
+    def verify(d: str) -> None:
+        in_verify.set()
+        assert lease_started.wait(30)  # both under way at once
+        if d == bad:
+            raise LayerCorrupt(f"layer {d} does not match its digest")
+
+    lm = LayerMounts(mroot, lambda d: image, verify, None, leases=Leases())  # type: ignore[arg-type]
+    try:
+        p = lm.acquire(good)
+        assert events == [("take", good)] and mounts.is_mountpoint(p)
+        for digest, error in ((bad, LayerCorrupt), (gone, StoreUnavailable)):
+            in_verify.clear()
+            lease_started.clear()
+            events.clear()
+            with pytest.raises(error):
+                lm.acquire(digest)
+            assert events == ([("take", bad), ("drop", bad)] if digest == bad else [("take", gone)])
+        assert list(lm.mounted()) == [good]
+        lm.release(good)
+        assert lm.mounted() == {} and not mounts.is_mountpoint(p)
+    finally:
+        for m in mounts.mounts_under(root):
+            mounts.umount(m)
+
+
 def test_layer_mounts_refcount_and_adopt(root: Path, userns: UserNamespace) -> None:
     imgs = {
         "sha256:" + "a" * 64: make_layer(root, "a", {"etc/a": "a"}),

@@ -8,7 +8,8 @@ sandbox's root.
 
 With ``leases`` (images/leases.py), a marker on the store says which layers this node has
 mounted, so ``corral image gc`` run from any node keeps them: it is taken before a
-layer's first mount and dropped after its last unmount.
+layer's first mount (in a thread, while the layer is verified: on a network store both
+are round trips) and dropped after its last unmount.
 
 With ``hot`` (images/hotblocks.py), a layer's first mount on this node starts reading, in
 the background, the parts of the layer file that sandboxes read on the node that recorded
@@ -103,29 +104,40 @@ class LayerMounts:
                 if self._counts.get(digest, 0) > 0:
                     self._counts[digest] += 1
                     return self._lower(digest)
-            if self._leases is not None:
-                self._leases.take(digest)  # before the mount: gc never sees it unleased
+            lease = _Lease(self._leases, digest)  # before the mount: gc never sees it unleased
             try:
-                self._mount(digest, raw, idm, verify=True)
+                self._mount(digest, raw, idm, verify=True, leased=lease.wait)
             except BaseException:
-                if self._leases is not None:
-                    self._leases.drop(digest)
+                lease.undo()
                 raise
             with self._lock:
                 self._counts[digest] = 1
         return self._lower(digest)
 
-    def _mount(self, digest: str, raw: Path, idm: Path, verify: bool) -> None:
+    def _mount(
+        self,
+        digest: str,
+        raw: Path,
+        idm: Path,
+        verify: bool,
+        leased: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Mount ``digest`` (verified first if ``verify``); ``leased`` returns once its
+        lease is on the store (raising if it could not be taken), and is called right
+        before the EROFS mount."""
         if not mounts.is_mountpoint(raw):
             image = self._resolve(digest)
             if verify:
                 self._verify(digest)  # raises LayerCorrupt before anything is mounted
+            leased()
             if self._hot is not None:
                 self._hot.prefetch(digest, image)  # in the background, with the mount
                 with self._lock:
                     self._files[digest] = image
             raw.mkdir(exist_ok=True)
             mounts.mount_erofs(image, raw)
+        else:
+            leased()
         if self._userns is not None and not mounts.is_mountpoint(idm):
             idm.mkdir(exist_ok=True)
             try:
@@ -241,6 +253,45 @@ class LayerMounts:
                 mounts.umount(point, detach=True)
         if self._hot is not None:
             self._hot.drain(_DRAIN_S)  # profiles being written reach the store
+
+
+class _Lease:
+    """A layer's lease being taken on the store in a thread of its own, while the caller
+    resolves and verifies the layer: on a network store each of the two is several round
+    trips in a row (a lease on MooseFS behind 0.5 ms each way: ~20 ms, mkdir + create +
+    write; the stamped verification ~15 ms), and a first mount made them one after the
+    other. The lease still comes before the mount (:meth:`wait`)."""
+
+    def __init__(self, leases: Leases | None, digest: str) -> None:
+        self._leases = leases
+        self._digest = digest
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if leases is not None:
+            self._thread = threading.Thread(target=self._take, name="corral-lease", daemon=True)
+            self._thread.start()
+
+    def _take(self) -> None:
+        assert self._leases is not None
+        try:
+            self._leases.take(self._digest)
+        except BaseException as e:  # handed to wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Return once the lease is taken; raise what taking it raised."""
+        if self._thread is not None:
+            self._thread.join()  # Leases.take has the store's deadline
+            if self._error is not None:
+                raise self._error
+
+    def undo(self) -> None:
+        """The mount failed: drop the lease once taking it has ended."""
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is None:
+                assert self._leases is not None
+                self._leases.drop(self._digest)
 
 
 _DRAIN_S = 5.0
