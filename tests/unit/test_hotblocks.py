@@ -177,10 +177,22 @@ def test_an_unmounted_layer_drops_its_held_reads(cold: Path) -> None:
     assert _cached(cold) == []
 
 
-def test_prefetch_reads_at_the_mount_by_default(cold: Path) -> None:
+def test_prefetch_waits_for_a_sandbox_by_default(cold: Path) -> None:
     store = FakeStore()
     store.profiles["sha256:a"] = encode(64 * PAGE, [(4 * PAGE, 2 * PAGE)])
     hot = HotBlocks(store)
+    hot.prefetch("sha256:a", cold)
+    assert hot.drain(30)
+    assert _cached(cold) == []  # the create that mounts it has the link to itself
+    hot.start(["sha256:a"])
+    assert hot.drain(30)
+    assert _cached(cold) == [(4 * PAGE, 2 * PAGE)]
+
+
+def test_prefetch_reads_at_the_mount_without_defer(cold: Path) -> None:
+    store = FakeStore()
+    store.profiles["sha256:a"] = encode(64 * PAGE, [(4 * PAGE, 2 * PAGE)])
+    hot = HotBlocks(store, defer=False)
     hot.prefetch("sha256:a", cold)
     assert hot.drain(30)
     assert _cached(cold) == [(4 * PAGE, 2 * PAGE)]

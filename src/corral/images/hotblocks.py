@@ -9,23 +9,27 @@ waiting was in series.
 
 So a node records, once per layer, which parts of the layer file its sandboxes read, and
 keeps that profile on the store next to the layer (``layers/<hex>.hot``); the next node
-that mounts the layer starts reading exactly those parts as soon as it mounts it,
-:data:`WORKERS` reads of :data:`READ_CHUNK` in flight, while the create goes on. The
-sandbox's faults then find the pages in the page cache, or wait for a read already under
-way. Measured (one image, 8 sandboxes at once, MooseFS behind 1 Gbit/s and 0.5 ms each
-way): the task took 0.21 s instead of 1.15 s. This is what DSec's and Nydus's prefetch
-lists and eStargz's "landmark" ordering do: what a task reads at start is much the same
-from one run to the next.
+that mounts the layer reads the profile at the mount and, once the first sandbox using
+the layer is up (:data:`DEFER`), exactly those parts, :data:`WORKERS` reads of
+:data:`READ_CHUNK` in flight, while the burst goes on. The sandboxes' faults then find
+the pages in the page cache, or wait for a read already under way. Measured (one image,
+8 sandboxes at once, MooseFS behind 1 Gbit/s and 0.5 ms each way): the task took 0.21 s
+instead of 1.15 s. This is what DSec's and Nydus's prefetch lists and eStargz's
+"landmark" ordering do: what a task reads at start is much the same from one run to the
+next.
 
-The catch: a burst's creates make store round trips of their own (a layer's first
-create: lease, stamp, mount; every create: the image manifest), and on the link they
-queue behind the prefetch bytes already asked for; a quiet 64-sandbox burst's creates
-ended 1.5 s later with prefetch. :data:`DEFER` (hold a layer's reads until its first
-sandbox is up: :meth:`HotBlocks.start`, which the backend calls when a create returns)
-with 2 x 1 MiB in flight keeps the first create clear and bounds the queue at 2 MiB;
-under load (23-64 on 2 cores) it did not finish bursts sooner than the default in the
-full-size bench pairs (docs/shared-store.md), so it is not the default. Quiet figures
-decide.
+Why only once a sandbox is up, and only 2 x 1 MiB in flight: a burst's creates make
+store round trips of their own in series (a layer's first mount: lease, stamp, mount,
+~17 round trips; every create: the image manifest), and on the link each queues behind
+the prefetch bytes already asked for. Started at the mount with 16 x 256 KiB in flight
+(the first default), up to 4 MiB (33 ms of 1 Gbit/s) sat ahead of each of those round
+trips, and a quiet 64-sandbox burst's creates ended 1.5 s later than without prefetch.
+Deferred, the create that mounts a layer has none of its prefetch ahead of it, and
+later ones at most 2 MiB (16 ms); two 1 MiB reads still keep the link busy (each is
+8 ms on it against a 1-3 ms round trip). The lead's quiet pair (docs/shared-store.md):
+on-demand done 2.54 s deferred against 3.10 s at the mount (cached 1.60-1.73 s).
+:meth:`HotBlocks.start` is what the backend calls when a create returns
+(``LayerMounts.started``; adopted layers count as up).
 
 What a profile is: the byte extents of the layer file that were in this node's page cache
 when the first sandbox using the layer was destroyed (``mincore`` over a read-only shared
@@ -90,16 +94,18 @@ MAX_FRACTION = 0.5
 """A profile covering more of the file than this is not written (see the module doc)."""
 MAX_EXTENTS = 1 << 16
 """Extents a profile may hold (a 1 MiB file at most; a longer one is refused on load)."""
-READ_CHUNK = 256 << 10
-"""Bytes per prefetch read. Measured with 16 reads in flight: 256 KiB reads finished the
-task in 0.21 s, 1 MiB ones in 0.29-0.39 s (fewer, longer reads in flight). At load ~10,
-three interleaved runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB
-0.40-0.72, 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41)."""
-WORKERS = 16
+READ_CHUNK = 1 << 20
+"""Bytes per prefetch read. With :data:`WORKERS` reads in flight, the bytes a store round
+trip of a create may find queued ahead of it on the link (see the module docstring).
+Measured for one image's task alone, reads at the mount, at load ~10, three interleaved
+runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB 0.40-0.72,
+32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41); a burst's creates, not
+one task, decided for 2 x 1 MiB."""
+WORKERS = 2
 """Prefetch reads in flight per node."""
-DEFER = False
-"""Hold a layer's prefetch until a sandbox using it is up (see the module docstring: measured
-under load, not better; with it, 2 x 1 MiB reads are the variant that was measured)."""
+DEFER = True
+"""Hold a layer's prefetch until a sandbox using it is up (see the module docstring); False
+reads from the mount on (the first default: 16 x 256 KiB)."""
 GROW = 0.1
 """A node whose sandboxes read this much more of a layer than its profile says (a
 fraction of the profile's pages) rewrites the profile as the union: a profile recorded

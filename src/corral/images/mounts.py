@@ -11,11 +11,11 @@ mounted, so ``corral image gc`` run from any node keeps them: it is taken before
 layer's first mount (in a thread, while the layer is verified: on a network store both
 are round trips) and dropped after its last unmount.
 
-With ``hot`` (images/hotblocks.py), a layer's first mount on this node starts reading, in
-the background, the parts of the layer file that sandboxes read on the node that recorded
-its profile (with hotblocks' ``DEFER``: once the first sandbox using the layer is up,
-which the backend says through :meth:`LayerMounts.started` when a create returns); when
-a sandbox using a layer without a profile goes, its reads are recorded.
+With ``hot`` (images/hotblocks.py), a layer's first mount on this node reads its profile,
+and once the first sandbox using the layer is up (the backend says so through
+:meth:`LayerMounts.started` when a create returns; hotblocks' ``DEFER``) the node reads,
+in the background, the parts of the layer file that sandboxes read on the node that
+recorded it; when a sandbox using a layer without a profile goes, its reads are recorded.
 
 Example::
 
