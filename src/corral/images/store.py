@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -364,6 +365,15 @@ class LayerStore:
             raise LayerNotFound(f"layer {digest} has no file in the store at {self.root}")
         return path
 
+    def _stat_layer(self, digest: str, path: Path) -> os.stat_result:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise LayerNotFound(f"layer {digest} has no file in the store at {self.root}")
+        return st
+
     def verify(self, digest: str) -> None:
         """Re-hash the layer file; LayerCorrupt if it does not match its digest.
 
@@ -385,18 +395,20 @@ class LayerStore:
         store's own clock (the stamp file's mtime); an unsettled one is re-hashed and
         rewritten.
         """
-        path = self.path_of(digest)
-        st = path.stat()
+        # One stat of the file and one open of its stamp: on a network store each path
+        # walk is a round trip, and a layer's first mount waits for these.
+        path = self._layer_paths(digest)[0]
+        st = self._io.call(f"finding layer {digest}", lambda: self._stat_layer(digest, path))
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if self._verified.get(digest) == key:
             return
         stamp_path = path.with_suffix(".verified")
         stamp = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
         try:
-            settled = (
-                stamp_path.stat().st_mtime_ns >= max(st.st_mtime_ns, st.st_ctime_ns) + _SETTLE_NS
-            )
-            stamped = settled and stamp_path.read_text() == stamp
+            with open(stamp_path, "rb") as f:
+                written = os.fstat(f.fileno()).st_mtime_ns
+                settled = written >= max(st.st_mtime_ns, st.st_ctime_ns) + _SETTLE_NS
+                stamped = settled and f.read().decode() == stamp
         except (OSError, UnicodeDecodeError):
             stamped = False
         if not stamped:
