@@ -87,10 +87,10 @@ class NodeConfig(BaseModel):
     eager_layers: bool = False
     """Benchmark baseline only: copy each layer to node-local disk before mounting."""
     layer_prefetch: bool = True
-    """Read a layer's recorded hot blocks (``<hex>.hot`` on the store) in the background
-    at its first mount, many reads in flight, and record them for layers without a
-    profile (images/hotblocks.py). On a network store this turns a task's page faults,
-    one round trip each, into a few parallel reads."""
+    """Read a layer's recorded hot blocks (``<hex>.hot`` on the store) in the background,
+    once the layer's first sandbox is up, a few large reads in flight, and record them
+    for layers without a profile (images/hotblocks.py). On a network store this turns a
+    task's page faults, one round trip each, into a few large reads."""
     swap: SwapConfig = Field(default_factory=SwapConfig)
     """Swap for paused sandboxes, e.g. ``[node.swap] kind = "file"``, ``size = "8GiB"``."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)
