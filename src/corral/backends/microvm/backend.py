@@ -532,6 +532,7 @@ class MicroVMBackend:
         _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
         while self.vmm_pid(sandbox_id) is not None:
             await asyncio.sleep(0.01)
+        await asyncio.to_thread(_drop_own_cache, d)
         if mux is not None:
             mux.release()
         return {
@@ -856,6 +857,31 @@ def _ignore_shared(q: Qmp) -> None:
 def _qmp_cont(qmp_sock: Path) -> None:
     with Qmp(qmp_sock, timeout=5.0) as q:
         q.cmd("cont")
+
+
+_OWN_FILES = ("disk.img", "console.log")
+"""Files of the sandbox dir that QEMU writes and no one else reads (see _drop_own_cache)."""
+
+
+def _drop_own_cache(d: Path) -> None:
+    """Drop the host page cache of the files only this VM's QEMU wrote (:data:`_OWN_FILES`)
+    once it has exited: that cache stays charged to the sandbox's cgroup after the VMM is
+    gone (the guest's journal and metadata writes to its disk image are most of it), so a
+    memory-snapshot pause would not release it. fsync first: dirty pages are not dropped
+    (the end of the migration has flushed the disk already). Not the layer files: their
+    cache is shared with every VM and container reading them."""
+    for name in _OWN_FILES:
+        try:
+            fd = os.open(d / name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:  # the pause worked; only the accounting is worse
+            log.warning("dropping the page cache of %s/%s: %s", d.name, name, e)
+        finally:
+            os.close(fd)
 
 
 def _make_disk(path: Path, size: int) -> None:
