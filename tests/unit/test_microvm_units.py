@@ -264,3 +264,20 @@ def test_own_cache_drop_skips_missing_files(tmp_path: Path) -> None:
     _drop_own_cache(tmp_path)
     assert (tmp_path / "disk.img").read_bytes() == b"x" * 8192
 
+
+def test_vmm_files_and_charge_to_node(tmp_path: Path) -> None:
+    """The files every VM shares are found (QEMU, its libraries) and read whole by the
+    caller; an unreadable one is skipped."""
+    import shutil
+
+    from corral.backends.microvm import hostcache
+
+    a = tmp_path / "a"
+    a.write_bytes(b"y" * 5000)
+    assert hostcache.charge_to_node([a, tmp_path / "missing"]) == 5000
+    assert hostcache.vmm_files("no-such-qemu-binary") == []
+    if shutil.which("qemu-system-x86_64") is None:
+        return
+    files = hostcache.vmm_files("qemu-system-x86_64")
+    assert files[0].name == "qemu-system-x86_64"
+    assert any(f.name.startswith("libc.so") for f in files)

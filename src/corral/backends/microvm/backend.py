@@ -62,7 +62,7 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import dax, freeze, guest, qemu
+from corral.backends.microvm import dax, freeze, guest, hostcache, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
@@ -117,6 +117,7 @@ class MicroVMBackend:
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
             await self._prepare()
+            await asyncio.to_thread(self._charge_shared_files)
         except HostError as e:
             # The node runs on (its other engines are fine); this one says why it cannot.
             self.broken = e.message
@@ -148,6 +149,16 @@ class MicroVMBackend:
                     self.kernel.vmlinuz, self.initrd
                 )
                 cache.write_text(f"{self.accel}\n{self.accel_detail}")
+
+    def _charge_shared_files(self) -> None:
+        """QEMU, its libraries, the kernel and the initramfs into the page cache from the
+        node's cgroup, not the first VM's (:mod:`.hostcache`)."""
+        files = hostcache.vmm_files(qemu.QEMU)
+        if self.kernel is not None:
+            files.append(self.kernel.vmlinuz)
+        if self.initrd is not None:
+            files.append(self.initrd)
+        hostcache.charge_to_node(files)
 
     async def stop(self, keep_running: bool) -> None:
         """Disconnect from every VM (they keep running for the next node process to
