@@ -281,3 +281,21 @@ def test_vmm_files_and_charge_to_node(tmp_path: Path) -> None:
     files = hostcache.vmm_files("qemu-system-x86_64")
     assert files[0].name == "qemu-system-x86_64"
     assert any(f.name.startswith("libc.so") for f in files)
+
+
+def test_vm_argv_skips_the_guest_tracefs_unless_asked(tmp_path: Path) -> None:
+    """The guest kernel builds no tracefs by default (its pinned slab per VM); asked for,
+    the kernel command line is left alone."""
+    f = qemu.VMFiles(
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        layers=[],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "c.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+    )
+    off = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None)
+    assert "initcall_blacklist=tracer_init_tracefs" in off[off.index("-append") + 1]
+    on = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tracefs=True)
+    assert "initcall_blacklist" not in on[on.index("-append") + 1]

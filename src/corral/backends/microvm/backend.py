@@ -371,6 +371,7 @@ class MicroVMBackend:
             dns=self._resolver(),
             hostname=spec.hostname,
             tb_mib=self.config.tcg_tb_mib,
+            tracefs=self.config.guest_tracefs,
         )
 
     def _layer_access(self, sandbox_id: str) -> str:
