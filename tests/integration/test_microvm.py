@@ -698,6 +698,7 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert out["host_mem_per_vm_mib"] > 0 and out["container_boot_to_exec_ms"] > 0
     assert "dax" in out and out["fork_per_s"] > 0
     assert 0.5 < out["pause_released_fraction"] <= 1.0, out
+    assert set(out["pause_left_mib"]) == {"anon", "file", "kernel", "swap"}, out
     assert out["snapshot_resume_to_exec_ms"] > 0
     assert_no_leaks(state, run, sub)
     shutil.rmtree(state)
