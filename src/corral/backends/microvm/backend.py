@@ -878,8 +878,8 @@ _OWN_FILES = ("disk.img", "console.log")
 def _drop_own_cache(d: Path) -> None:
     """Drop the host page cache of the files only this VM's QEMU wrote (:data:`_OWN_FILES`)
     once it has exited: that cache stays charged to the sandbox's cgroup after the VMM is
-    gone (the guest's journal and metadata writes to its disk image are most of it), so a
-    memory-snapshot pause would not release it. fsync first: dirty pages are not dropped
+    gone (whatever the guest wrote to its disk: a guest that wrote 40 MiB kept 40 MiB
+    charged), so a memory-snapshot pause would not release it. fsync first: dirty pages are not dropped
     (the end of the migration has flushed the disk already). Not the layer files: their
     cache is shared with every VM and container reading them."""
     for name in _OWN_FILES:
