@@ -242,7 +242,8 @@ async def test_pause_resume_through_the_shared_cgroup_path(vmnode):  # type: ign
 async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: ignore[no-untyped-def]
     """pause(memory_snapshot=True): the machine is saved to a file in the sandbox dir and
     its VMM ends (the cgroup's memory falls to the netns holder's); the next request
-    restores it transparently, with its processes and tmpfs intact; resume() restores too."""
+    restores it transparently, with its processes and tmpfs intact; resume() restores too.
+    What the guest wrote to its disk (host page cache charged to the VM) is released too."""
     from corral.spec import ExecRequest
 
     info = await vmnode.sandbox_create(_spec())
@@ -250,7 +251,12 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
     b = vmnode.backends.get("microvm")
     try:
         bg = await vmnode.spawn(sid, ExecRequest(cmd=["sleep", "600"]))
-        cmd = ["sh", "-c", "echo tmpfs-kept > /dev/shm/v; echo disk-kept > /root/d"]
+        cmd = [
+            "sh",
+            "-c",
+            "echo tmpfs-kept > /dev/shm/v; echo disk-kept > /root/d; "
+            "dd if=/dev/zero of=/root/big bs=1M count=32 2>/dev/null && sync",
+        ]
         assert (await vmnode.exec(sid, ExecRequest(cmd=cmd))).exit_code == 0
         before = b.cgroups.memory_current(sid)
         paused = await vmnode.sandbox_pause(sid, memory_snapshot=True)
@@ -692,6 +698,7 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert out["host_mem_per_vm_mib"] > 0 and out["container_boot_to_exec_ms"] > 0
     assert "dax" in out and out["fork_per_s"] > 0
     assert 0.5 < out["pause_released_fraction"] <= 1.0, out
+    assert set(out["pause_left_mib"]) == {"anon", "file", "kernel", "swap"}, out
     assert out["snapshot_resume_to_exec_ms"] > 0
     assert_no_leaks(state, run, sub)
     shutil.rmtree(state)

@@ -253,3 +253,49 @@ def test_smaps_breakdown_tells_mappings_apart(tmp_path: Path) -> None:
     assert got["tcg_code_buffer"] == 1.0
     assert got["layer_files"] == round(8 / 1024, 1) and got["qemu_files"] == 0.1
     assert got["qemu_heap"] == 0.1
+
+
+def test_own_cache_drop_skips_missing_files(tmp_path: Path) -> None:
+    """After a memory-snapshot save the node drops the page cache of the VM's own disk
+    and console; a file that is not there (a VM without a console yet) is no error."""
+    from corral.backends.microvm.backend import _drop_own_cache
+
+    (tmp_path / "disk.img").write_bytes(b"x" * 8192)
+    _drop_own_cache(tmp_path)
+    assert (tmp_path / "disk.img").read_bytes() == b"x" * 8192
+
+
+def test_vmm_files_and_charge_to_node(tmp_path: Path) -> None:
+    """The files every VM shares are found (QEMU, its libraries) and read whole by the
+    caller; an unreadable one is skipped."""
+    import shutil
+
+    from corral.backends.microvm import hostcache
+
+    a = tmp_path / "a"
+    a.write_bytes(b"y" * 5000)
+    assert hostcache.charge_to_node([a, tmp_path / "missing"]) == 5000
+    assert hostcache.vmm_files("no-such-qemu-binary") == []
+    if shutil.which("qemu-system-x86_64") is None:
+        return
+    files = hostcache.vmm_files("qemu-system-x86_64")
+    assert files[0].name == "qemu-system-x86_64"
+    assert any(f.name.startswith("libc.so") for f in files)
+
+
+def test_vm_argv_skips_the_guest_tracefs_unless_asked(tmp_path: Path) -> None:
+    """The guest kernel builds no tracefs by default (its pinned slab per VM); asked for,
+    the kernel command line is left alone."""
+    f = qemu.VMFiles(
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        layers=[],
+        disk=tmp_path / "disk.img",
+        console=tmp_path / "c.log",
+        vm_sock=tmp_path / "vm.sock",
+        pidfile=tmp_path / "vmm.pid",
+    )
+    off = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None)
+    assert "initcall_blacklist=tracer_init_tracefs" in off[off.index("-append") + 1]
+    on = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tracefs=True)
+    assert "initcall_blacklist" not in on[on.index("-append") + 1]

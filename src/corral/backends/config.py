@@ -68,6 +68,11 @@ class MicroVMConfig(BaseModel):
     56 of 64 MiB). Smaller re-translates more often (a flush when full: 8-9 over a boot
     and a 96 MiB read at 16; a boot perhaps ~3 s slower under load; docs/design-notes.md,
     "MicroVMs")."""
+    guest_tracefs: bool = False
+    """Keep the guest kernel's tracefs (ftrace and trace events under /sys/kernel/tracing).
+    Off by default: the Debian 6.1 kernel builds every trace event's files at boot, 8.7
+    MiB of slab that no page reporting can return (an idle microVM held 8 MiB more host
+    memory with it; docs/design-notes.md, "MicroVMs"). Full VMs (``backend="vm"``) keep it."""
     dax: bool = True
     """Map the image layers into the guest as pmem and mount them with DAX (one host page
     cache, no copy in the guest) where the layout allows (corral.backends.microvm.dax);

@@ -62,7 +62,7 @@ from corral.backends.base import (
 )
 from corral.backends.config import MicroVMConfig
 from corral.backends.initclient import InitClient
-from corral.backends.microvm import dax, freeze, guest, qemu
+from corral.backends.microvm import dax, freeze, guest, hostcache, qemu
 from corral.backends.microvm.files import AgentFiles
 from corral.backends.microvm.qmp import Qmp
 from corral.backends.microvm.vmux import HostMux
@@ -117,6 +117,7 @@ class MicroVMBackend:
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
             await self._prepare()
+            await asyncio.to_thread(self._charge_shared_files)
         except HostError as e:
             # The node runs on (its other engines are fine); this one says why it cannot.
             self.broken = e.message
@@ -148,6 +149,16 @@ class MicroVMBackend:
                     self.kernel.vmlinuz, self.initrd
                 )
                 cache.write_text(f"{self.accel}\n{self.accel_detail}")
+
+    def _charge_shared_files(self) -> None:
+        """QEMU, its libraries, the kernel and the initramfs into the page cache from the
+        node's cgroup, not the first VM's (:mod:`.hostcache`)."""
+        files = hostcache.vmm_files(qemu.QEMU)
+        if self.kernel is not None:
+            files.append(self.kernel.vmlinuz)
+        if self.initrd is not None:
+            files.append(self.initrd)
+        hostcache.charge_to_node(files)
 
     async def stop(self, keep_running: bool) -> None:
         """Disconnect from every VM (they keep running for the next node process to
@@ -360,6 +371,7 @@ class MicroVMBackend:
             dns=self._resolver(),
             hostname=spec.hostname,
             tb_mib=self.config.tcg_tb_mib,
+            tracefs=self.config.guest_tracefs,
         )
 
     def _layer_access(self, sandbox_id: str) -> str:
@@ -532,6 +544,7 @@ class MicroVMBackend:
         _pidfd_kill(pid, lambda q: q in self.cgroups.procs(sandbox_id))
         while self.vmm_pid(sandbox_id) is not None:
             await asyncio.sleep(0.01)
+        await asyncio.to_thread(_drop_own_cache, d)
         if mux is not None:
             mux.release()
         return {
@@ -856,6 +869,31 @@ def _ignore_shared(q: Qmp) -> None:
 def _qmp_cont(qmp_sock: Path) -> None:
     with Qmp(qmp_sock, timeout=5.0) as q:
         q.cmd("cont")
+
+
+_OWN_FILES = ("disk.img", "console.log")
+"""Files of the sandbox dir that QEMU writes and no one else reads (see _drop_own_cache)."""
+
+
+def _drop_own_cache(d: Path) -> None:
+    """Drop the host page cache of the files only this VM's QEMU wrote (:data:`_OWN_FILES`)
+    once it has exited: that cache stays charged to the sandbox's cgroup after the VMM is
+    gone (whatever the guest wrote to its disk: a guest that wrote 40 MiB kept 40 MiB
+    charged), so a memory-snapshot pause would not release it. fsync first: dirty pages are not dropped
+    (the end of the migration has flushed the disk already). Not the layer files: their
+    cache is shared with every VM and container reading them."""
+    for name in _OWN_FILES:
+        try:
+            fd = os.open(d / name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:  # the pause worked; only the accounting is worse
+            log.warning("dropping the page cache of %s/%s: %s", d.name, name, e)
+        finally:
+            os.close(fd)
 
 
 def _make_disk(path: Path, size: int) -> None:
