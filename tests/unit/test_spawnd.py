@@ -114,6 +114,24 @@ def test_exit_status_and_signal(helper: Path, fake: Path) -> None:
     assert asyncio.run(go()) == [3, -signal.SIGKILL, 0]
 
 
+def test_launchers_cpu_is_counted(helper: Path, fake: Path) -> None:
+    """Launchers reaped by the server are not in the node's children times: the benches'
+    CPU per create takes them from the replies."""
+
+    async def go() -> float:
+        srv = spawnd.SpawnServer(helper, str(fake))
+        try:
+            before = spawnd.cpu_seconds()
+            for _ in range(3):
+                await _launch(srv, [], {})  # a Python start-up each: some ms of CPU
+            return spawnd.cpu_seconds() - before
+        finally:
+            srv.close()
+
+    assert asyncio.run(go()) > 0
+    assert spawnd.cpu_seconds() == 0  # no live server: its CPU is in our children times
+
+
 def test_many_at_once(helper: Path, fake: Path) -> None:
     async def go() -> list[int]:
         srv = spawnd.SpawnServer(helper, str(fake))

@@ -14,7 +14,8 @@
  * carries a reply socket first, then the present fds in ascending target order. The
  * server forks, puts exactly those fds at 3..7 (stdio inherited, everything else closed),
  * unblocks signals and execs LAUNCHER (only that program, with an empty environment).
- * When the launcher exits, the server writes "X <wait status>" on its reply socket and
+ * When the launcher exits, the server writes "X <wait status> <user us> <system us>" (its
+ * CPU time, which the node's own children times no longer include) on its reply socket and
  * closes it; a request it cannot run gets "E <why>". The launcher's own report (its pipe
  * on fd 4) goes straight to the node.
  *
@@ -31,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -195,12 +197,17 @@ static void reap(void)
 		;
 	int st;
 	pid_t pid;
-	while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+	struct rusage ru;
+	while ((pid = wait4(-1, &st, WNOHANG, &ru)) > 0) {
 		for (size_t i = 0; i < njobs; i++) {
 			if (jobs[i].pid != pid)
 				continue;
-			char out[32];
-			snprintf(out, sizeof out, "X %d", st);
+			/* With the launcher's CPU time: reaped here, it no longer shows in the
+			 * node's children times (the benches' CPU per create). */
+			char out[80];
+			snprintf(out, sizeof out, "X %d %lld %lld", st,
+				 (long long)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec,
+				 (long long)ru.ru_stime.tv_sec * 1000000 + ru.ru_stime.tv_usec);
 			reply(jobs[i].reply, out);
 			close(jobs[i].reply);
 			jobs[i] = jobs[--njobs];
