@@ -45,6 +45,7 @@ CFLAGS = ("-static", "-O2", "-Wall", "-s")
 _FIRST, _NFDS = 3, 5  # the launcher's fds 3..7
 _MAX_MSG = 65536
 _TICK = os.sysconf("SC_CLK_TCK")
+_RECV_FLAGS = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC  # a received pidfd is CLOEXEC
 
 
 _LIVE: list[SpawnServer] = []
@@ -183,14 +184,21 @@ class SpawnServer:
     async def wait(self, reply: socket.socket) -> int:
         """The launcher's exit status (as :func:`os.waitstatus_to_exitcode`) from the
         reply socket of :meth:`submit`, which this closes. HostError if the server could
-        not run it or died first (the launcher's outcome is then unknown: the caller's
-        undo must clean up as after a failed launch)."""
+        not run it, or died first: then only once the launcher itself has ended (its pidfd,
+        which the server sent first), so the caller's undo finds what it made."""
+        pidfd = -1
         try:
-            out = await _recv(reply)
+            out, pidfd = await _recv(reply)
+            if out == b"P":
+                out, _ = await _recv(reply)
+                if not out and pidfd >= 0:
+                    await _readable(pidfd)  # the launcher's end (the server's is known)
+            if not out:
+                raise HostError("spawnd: the spawn server died before the launcher finished")
         finally:
             reply.close()
-        if not out:
-            raise HostError("spawnd: the spawn server died before the launcher finished")
+            if pidfd >= 0:
+                os.close(pidfd)
         text = out.decode(errors="replace")
         if text.startswith("X "):
             status, user_us, sys_us = (int(x) for x in text[2:].split())
@@ -199,25 +207,36 @@ class SpawnServer:
         raise HostError(f"spawnd: {text.removeprefix('E ')}")
 
 
-async def _recv(sock: socket.socket) -> bytes:
-    """One message from ``sock`` (b"" at EOF), waiting on the event loop."""
+async def _readable(fd: int) -> None:
+    """Wait until ``fd`` is readable (a pidfd: its process has ended)."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-    fd = sock.fileno()
+    done: asyncio.Future[None] = loop.create_future()
 
     def ready() -> None:
         loop.remove_reader(fd)
-        try:
-            data = sock.recv(256, socket.MSG_DONTWAIT)
-        except OSError:
-            data = b""
         if not done.done():
-            done.set_result(data)
+            done.set_result(None)
 
     loop.add_reader(fd, ready)
     try:
-        # shield: a cancelled caller must not leave the reader registered on a closed fd
-        return await asyncio.shield(done)
+        await asyncio.shield(done)
     except asyncio.CancelledError:
         loop.remove_reader(fd)
         raise
+
+
+async def _recv(sock: socket.socket) -> tuple[bytes, int]:
+    """One message from ``sock`` (b"" at EOF) and the fd it carried (-1: none; the caller
+    closes it), waiting on the event loop."""
+    await _readable(sock.fileno())
+    try:
+        data, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), _RECV_FLAGS)
+    except OSError:
+        return b"", -1
+    fds = array.array("i")
+    for level, kind, blob in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(blob[: len(blob) - len(blob) % fds.itemsize])
+    for extra in fds[1:]:
+        os.close(extra)
+    return data, fds[0] if fds else -1

@@ -14,7 +14,8 @@
  * carries a reply socket first, then the present fds in ascending target order. The
  * server forks, puts exactly those fds at 3..7 (stdio inherited, everything else closed),
  * unblocks signals and execs LAUNCHER (only that program, with an empty environment).
- * When the launcher exits, the server writes "X <wait status> <user us> <system us>" (its
+ * Once forked, the server sends "P" with a pidfd of the launcher (SCM_RIGHTS) on the reply
+ * socket. When the launcher exits, the server writes "X <wait status> <user us> <system us>" (its
  * CPU time, which the node's own children times no longer include) on its reply socket and
  * closes it; a request it cannot run gets "E <why>". The launcher's own report (its pipe
  * on fd 4) goes straight to the node.
@@ -60,6 +61,31 @@ static void reply(int fd, const char *text)
 {
 	/* MSG_DONTWAIT: a node that stopped reading cannot block the server. */
 	(void)send(fd, text, strlen(text), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* "P" with a pidfd of the launcher: if this server dies first, the node still waits for the
+ * launcher itself to end (as after a cancelled create) before its undo cleans up. */
+static void send_pidfd(int fd, pid_t pid)
+{
+	int pfd = syscall(SYS_pidfd_open, pid, 0);
+	if (pfd < 0) {
+		reply(fd, "P");
+		return;
+	}
+	union {
+		char b[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} cbuf;
+	struct iovec iov = {"P", 1};
+	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.b,
+			   .msg_controllen = sizeof cbuf.b};
+	struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(c), &pfd, sizeof(int));
+	(void)sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+	close(pfd);
 }
 
 static void __attribute__((noreturn)) child(int *fds, char **argv)
@@ -177,6 +203,7 @@ static void request(void)
 			snprintf(e, sizeof e, "E fork: %s", strerror(errno));
 			reply(got[0], e);
 		} else {
+			send_pidfd(got[0], pid);
 			jobs[njobs].pid = pid;
 			jobs[njobs++].reply = got[0];
 			got[0] = -1; /* closed when the launcher exits */
