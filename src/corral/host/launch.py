@@ -9,6 +9,10 @@ static program ``corral-launch`` (``corral/init/corral-launch.c``) executes them
 corral-init as PID 1. Anything in the config that the translation does not know is an
 error, never silently dropped.
 
+The node does not start the launcher itself: its spawn server does (corral-spawnd,
+:mod:`corral.host.spawnd`), so a launch copies the server's few fds, not the node's ~2 per
+live sandbox.
+
 The node makes the sandbox's cgroups with their limits (:meth:`Cgroups.create`) before the
 launch; the launcher joins them before it clones, so the sandbox never runs outside them.
 The init's host pid is recorded as ``<root>/<id>`` (pid and start time, on tmpfs) so a
@@ -648,7 +652,10 @@ class Launcher:
         try:
             # Like the runtime's: a cancelled create still lets the launcher finish, so
             # the undo finds (and kills) what it started.
-            code = await _outlive_cancel(job)
+            try:
+                code = await _outlive_cancel(job)
+            except HostError as e:  # the spawn server's (it died, or refused the request)
+                raise HostError(f"corral-launch {sandbox_id}: {e.message}") from None
             report = _read_all(rep_r).decode(errors="replace").strip()
         finally:
             os.close(rep_r)
@@ -758,7 +765,8 @@ def _spawn(
     rootfs_fd: int = -1,
     template_fd: int = -1,
 ) -> int:
-    """posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
+    """(``CORRAL_LAUNCH_SPAWN=direct``; else the spawn server starts it)
+    posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
     4 (report pipe), 5 (BPF program), 6 (the rootfs mount), 7 (the template mount
     namespace) and stdio on /dev/null."""
     dups: list[int] = []
