@@ -91,7 +91,8 @@ def test_launcher_gets_exactly_its_fds_no_env_no_blocked_signal(helper: Path, fa
         srv.close()
     assert code == 0
     got = json.loads(out)
-    assert got["argv"][1:] == ["x", "-t", "a b"]
+    # argv[0] is always the server's launcher: a request names only the arguments.
+    assert got["argv"] == [str(fake), "x", "-t", "a b"]
     assert got["env"] == {} or set(got["env"]) <= {"LC_CTYPE"}  # Python may set LC_CTYPE
     # 0-2 stdio, 3 and 7 as sent, 4 the report pipe; nothing else.
     assert got["fds"] == [0, 1, 2, 3, 4, 7]
