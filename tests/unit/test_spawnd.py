@@ -63,7 +63,7 @@ async def _launch(
 ) -> tuple[int, bytes]:
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        reply = srv.submit(args, {**fds, 4: w})
+        reply = await srv.submit(args, {**fds, 4: w})
         os.close(w)
         w = -1
         code = await srv.wait(reply)
@@ -145,6 +145,32 @@ def test_many_at_once(helper: Path, fake: Path) -> None:
     assert asyncio.run(go()) == list(range(24))
 
 
+def test_a_burst_beyond_the_servers_queue(helper: Path, fake: Path) -> None:
+    """More requests at once than the server's socket buffer holds (~25 of a launcher's
+    size): the senders wait for room on the event loop instead of blocking it, and all
+    are served."""
+
+    async def go() -> list[int]:
+        srv = spawnd.SpawnServer(helper, str(fake))
+        os.kill(srv.pid, signal.SIGSTOP)  # nothing is read until it goes on
+        try:
+            jobs = [
+                asyncio.ensure_future(_launch(srv, ["exit", str(i % 7), "p" * 8000], {}))
+                for i in range(40)
+            ]
+            # The loop still runs while the queue is full (a blocking send would hang here).
+            for _ in range(100):
+                await asyncio.sleep(0)
+            assert not any(j.done() for j in jobs)
+            os.kill(srv.pid, signal.SIGCONT)
+            return [c for c, _ in await asyncio.gather(*jobs)]
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+            srv.close()
+
+    assert asyncio.run(go()) == [i % 7 for i in range(40)]
+
+
 def test_server_death_fails_the_pending_launch_and_the_next_restarts_it(
     helper: Path, fake: Path
 ) -> None:
@@ -152,7 +178,7 @@ def test_server_death_fails_the_pending_launch_and_the_next_restarts_it(
         srv = spawnd.SpawnServer(helper, str(fake))
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
         try:
-            reply = srv.submit(["block"], {3: hold_r})
+            reply = await srv.submit(["block"], {3: hold_r})
             first = srv.pid
             os.kill(first, signal.SIGKILL)
             # The wait ends once the orphaned launcher has (its pidfd): let it go.
@@ -177,7 +203,7 @@ def test_bad_requests_are_refused(helper: Path, fake: Path) -> None:
     srv = spawnd.SpawnServer(helper, str(fake))
     try:
         with pytest.raises(HostError, match="3..7"):
-            srv.submit([], {8: 0})
+            asyncio.run(srv.submit([], {8: 0}))
     finally:
         srv.close()
 
@@ -186,7 +212,7 @@ def test_bad_requests_are_refused(helper: Path, fake: Path) -> None:
         try:
             # A mask that claims two fds while one is sent.
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            srv._send(b"\x03\0\0\0", [theirs.fileno(), 0])
+            await srv._send(b"\x03\0\0\0", [theirs.fileno(), 0])
             theirs.close()
             try:
                 return (await spawnd._recv(mine))[0].decode()

@@ -640,7 +640,7 @@ class Launcher:
             if server is not None:
                 fds = {3: ctl_fd, 4: rep_w, 5: bpf_fd, 6: rootfs_fd, 7: template}
                 sent = {t: fd for t, fd in fds.items() if fd >= 0}
-                job = asyncio.ensure_future(server.wait(server.submit(argv[1:], sent)))
+                job = asyncio.ensure_future(server.wait(await server.submit(argv[1:], sent)))
             else:
                 pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
                 job = asyncio.ensure_future(_wait(pid))

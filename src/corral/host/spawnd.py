@@ -77,6 +77,7 @@ class SpawnServer:
         self._pid = -1
         self.restarts = 0
         self._launched_cpu = 0.0
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._start()
         _LIVE.append(self)
 
@@ -101,6 +102,7 @@ class SpawnServer:
             raise
         finally:
             theirs.close()
+        ours.setblocking(False)
         self._sock = ours
 
     def cpu_seconds(self) -> float:
@@ -131,20 +133,31 @@ class SpawnServer:
         with contextlib.suppress(ValueError):
             _LIVE.remove(self)
 
-    def _send(self, msg: bytes, fds: Sequence[int]) -> None:
-        assert self._sock is not None
-        self._sock.sendmsg(
-            [msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        )
+    async def _send(self, msg: bytes, fds: Sequence[int]) -> None:
+        """One request, without blocking the event loop: the socket buffers ~25 requests
+        of a launcher's size (~5 KB each), so a burst of creates while the server waits for
+        CPU can find it full; senders then wait for room in turn."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        async with self._lock[1]:
+            while True:
+                assert self._sock is not None
+                try:
+                    self._sock.sendmsg([msg], anc)
+                    return
+                except BlockingIOError:
+                    await _ready(self._sock.fileno(), write=True)
 
     async def run(self, args: Sequence[str], fds: Mapping[int, int]) -> int:
         """:meth:`submit` then :meth:`wait`."""
-        return await self.wait(self.submit(args, fds))
+        return await self.wait(await self.submit(args, fds))
 
-    def submit(self, args: Sequence[str], fds: Mapping[int, int]) -> socket.socket:
+    async def submit(self, args: Sequence[str], fds: Mapping[int, int]) -> socket.socket:
         """Start the launcher with ``args`` (after argv[0]) and ``fds`` ({target 3..7: our
         fd}); returns the reply socket to :meth:`wait` on. Once this returns the server
-        holds its own copies of ``fds`` (the caller may close its ones).
+        holds its own copies of ``fds`` (the caller may close its ones; not before).
 
         HostError if the request cannot be sent (the server died twice in a row)."""
         if any(not _FIRST <= t < _FIRST + _NFDS for t in fds):
@@ -162,7 +175,7 @@ class SpawnServer:
                 if self._sock is None:
                     self._start()
                 try:
-                    self._send(msg, order)
+                    await self._send(msg, order)
                     break
                 except (BrokenPipeError, ConnectionResetError):
                     # It died (killed, or the node's socket closed): a new one, once.
@@ -192,7 +205,7 @@ class SpawnServer:
             if out == b"P":
                 out, _ = await _recv(reply)
                 if not out and pidfd >= 0:
-                    await _readable(pidfd)  # the launcher's end (the server's is known)
+                    await _ready(pidfd)  # the launcher's end (the server's is known)
             if not out:
                 raise HostError("spawnd: the spawn server died before the launcher finished")
         finally:
@@ -207,28 +220,29 @@ class SpawnServer:
         raise HostError(f"spawnd: {text.removeprefix('E ')}")
 
 
-async def _readable(fd: int) -> None:
-    """Wait until ``fd`` is readable (a pidfd: its process has ended)."""
+async def _ready(fd: int, write: bool = False) -> None:
+    """Wait until ``fd`` is readable (a pidfd: its process has ended) or writable."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
+    remove = loop.remove_writer if write else loop.remove_reader
 
     def ready() -> None:
-        loop.remove_reader(fd)
+        remove(fd)
         if not done.done():
             done.set_result(None)
 
-    loop.add_reader(fd, ready)
+    (loop.add_writer if write else loop.add_reader)(fd, ready)
     try:
         await asyncio.shield(done)
     except asyncio.CancelledError:
-        loop.remove_reader(fd)
+        remove(fd)
         raise
 
 
 async def _recv(sock: socket.socket) -> tuple[bytes, int]:
     """One message from ``sock`` (b"" at EOF) and the fd it carried (-1: none; the caller
     closes it), waiting on the event loop."""
-    await _readable(sock.fileno())
+    await _ready(sock.fileno())
     try:
         data, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), _RECV_FLAGS)
     except OSError:
