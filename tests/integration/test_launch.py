@@ -582,6 +582,64 @@ async def test_restart_adopts_launched_sandbox(images_ready) -> None:  # type: i
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+def _assert_init_fds(pid: int) -> None:
+    """The init holds stdio on /dev/null, its control socket and what it opened itself
+    (sockets, pipes, a signalfd, /dev/null): none of the launcher's other fds (report
+    pipe's peer aside, its BPF memfd, the rootfs mount, the template namespace) nor any
+    of the node's (pidfds, its state files)."""
+    links = {int(f): os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")}
+    assert [links[f] for f in (0, 1, 2)] == ["/dev/null"] * 3, links
+    assert links[3].startswith("socket:"), links
+    allowed = ("socket:", "pipe:", "anon_inode:[signalfd]", "anon_inode:[eventfd]", "/dev/null")
+    assert all(v.startswith(allowed) for v in links.values()), links
+
+
+async def test_no_host_fd_reaches_the_guest(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Row 7 of the launcher's security table, seen from the host: the init's fd table."""
+    async with sandbox(rt_node) as sid:
+        await sh(rt_node, sid, "true")
+        _assert_init_fds(rt_node.backends.get("container").init_pid(sid))
+
+
+async def test_spawn_server_restarts_and_goes_with_the_node(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """Launches go through corral-spawnd (host/spawnd.py); a server that was killed is
+    replaced at the next create, the init gets only the fds a sandbox gets, and closing the
+    node ends the server."""
+    import signal
+
+    dirs = _dirs("lsd")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        launcher = n.backends.get("container").runtime  # type: ignore[union-attr]
+        server = launcher.spawn_server()
+        assert server is not None
+        first = server.pid
+        with open(f"/proc/{first}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[1] == str(os.getpid())  # our child
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo hi")).stdout == b"hi\n"
+            _assert_init_fds(n.backends.get("container").init_pid(sid))  # type: ignore[union-attr]
+        os.kill(first, signal.SIGKILL)
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo again")).stdout == b"again\n"
+        assert server.restarts == 1 and server.pid not in (-1, first)
+        second = server.pid
+    assert not os.path.exists(f"/proc/{second}")
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
+async def test_direct_spawn_still_works(images_ready, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``CORRAL_LAUNCH_SPAWN=direct`` (the A/B hook): the node starts the launcher itself."""
+    from corral.host import launch
+
+    monkeypatch.setenv(launch.SPAWN_ENV, "direct")
+    dirs = _dirs("ldi")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        assert n.backends.get("container").runtime.spawn_server() is None  # type: ignore[union-attr]
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo direct")).stdout == b"direct\n"
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 def test_pid_record_checks_start_time(tmp_path: Path) -> None:
     """A recorded pid whose process is gone (or reused: another start time) is no init."""
     from corral.host.cgroups import Cgroups

@@ -17,6 +17,8 @@ import math
 import os
 from collections.abc import Sequence
 
+from corral.host import spawnd
+
 __all__ = ["percentile", "p50", "p99", "summary_ms", "rate", "CpuMeter"]
 
 
@@ -65,7 +67,7 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
 
 class CpuMeter:
     """CPU time this process (the bench's embedded node and its client) and its waited-for
-    children (corral-launch, runtimes) spend between :meth:`start` and :meth:`per_op`.
+    children (corral-launch with the spawn server that starts it, runtimes) spend between :meth:`start` and :meth:`per_op`.
 
     CPU time, not wall time: robust on a loaded machine, where wall time measures the
     neighbours as much as corral.
@@ -73,9 +75,11 @@ class CpuMeter:
 
     def __init__(self) -> None:
         self._t0 = os.times()
+        self._spawnd0 = spawnd.cpu_seconds()
 
     def start(self) -> CpuMeter:
         self._t0 = os.times()
+        self._spawnd0 = spawnd.cpu_seconds()
         return self
 
     def per_op(self, ops: int) -> dict[str, float]:
@@ -84,5 +88,7 @@ class CpuMeter:
         t1, t0 = os.times(), self._t0
         node = (t1.user - t0.user) + (t1.system - t0.system)
         kids = (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
+        # The launchers the node's spawn server reaped (and the server), not in ours.
+        kids += spawnd.cpu_seconds() - self._spawnd0
         n = max(ops, 1)
         return {"node": round(node * 1000 / n, 2), "children": round(kids * 1000 / n, 2)}

@@ -9,6 +9,10 @@ static program ``corral-launch`` (``corral/init/corral-launch.c``) executes them
 corral-init as PID 1. Anything in the config that the translation does not know is an
 error, never silently dropped.
 
+The node does not start the launcher itself: its spawn server does (corral-spawnd,
+:mod:`corral.host.spawnd`), so a launch copies the server's few fds, not the node's ~2 per
+live sandbox.
+
 The node makes the sandbox's cgroups with their limits (:meth:`Cgroups.create`) before the
 launch; the launcher joins them before it clones, so the sandbox never runs outside them.
 The init's host pid is recorded as ``<root>/<id>`` (pid and start time, on tmpfs) so a
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.errors import HostError
-from corral.host import cbuild, mounts
+from corral.host import cbuild, mounts, spawnd
 from corral.host.cgroups import Cgroups
 from corral.host.runtime import _TMPFS_MAGIC, _fs_type
 from corral.host.seccomp_bpf import compile_profile, filter_flags
@@ -88,6 +92,9 @@ _DEVICES_ALLOW = (
 )
 FAULT_ENV = "CORRAL_LAUNCH_FAULT"
 """Test hook: the name of a launcher step (see corral-launch.c) before which it crashes."""
+SPAWN_ENV = "CORRAL_LAUNCH_SPAWN"
+"""Bench/test hook: ``direct`` makes the node posix_spawn each launcher itself (the path
+before the spawn server, kept for A/B measurements and as the fallback)."""
 
 
 def ensure_built(out_dir: Path) -> Path:
@@ -366,9 +373,17 @@ class Launcher:
     name = "launch"
 
     def __init__(
-        self, binary: Path, root: Path, cgroups: Cgroups, *, root_tmpfs: bool = False
+        self,
+        binary: Path,
+        root: Path,
+        cgroups: Cgroups,
+        *,
+        root_tmpfs: bool = False,
+        spawn_server: Path | None = None,
     ) -> None:
         self.binary = str(binary)
+        self._spawnd_bin = spawn_server
+        self._spawnd: spawnd.SpawnServer | None = None
         self.root = root
         self.cgroups = cgroups
         self._bpf: dict[str, tuple[bytes, int]] = {}
@@ -392,9 +407,20 @@ class Launcher:
         why = supported()
         if why is not None:
             raise HostError(f"corral-launch cannot run here: {why}")
-        ln = cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True)
+        server = None
+        if os.environ.get(SPAWN_ENV) != "direct":
+            server = spawnd.ensure_built(helper_dir)
+        ln = cls(ensure_built(helper_dir), root, cgroups, root_tmpfs=True, spawn_server=server)
         ln.template()  # at start: a host where it cannot be made fails here, not per create
+        ln.spawn_server()  # at start, while the node holds few fds (see corral/host/spawnd.py)
         return ln
+
+    def spawn_server(self) -> spawnd.SpawnServer | None:
+        """The node's spawn server (started on first use; None: launch directly). Start
+        it from the event loop's thread (see :class:`corral.host.spawnd.SpawnServer`)."""
+        if self._spawnd is None and self._spawnd_bin is not None:
+            self._spawnd = spawnd.SpawnServer(self._spawnd_bin, self.binary)
+        return self._spawnd
 
     def template(self) -> int:
         """An fd of the node's template mount namespace, made on first use (see
@@ -434,6 +460,9 @@ class Launcher:
         return self._template
 
     def close(self) -> None:
+        if self._spawnd is not None:
+            self._spawnd.close()
+            self._spawnd = None
         if self._template >= 0:
             os.close(self._template)
             self._template = -1
@@ -606,8 +635,15 @@ class Launcher:
             argv += ["-F", fault]
         argv += p.args
         rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+        server = self.spawn_server()
         try:
-            pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
+            if server is not None:
+                fds = {3: ctl_fd, 4: rep_w, 5: bpf_fd, 6: rootfs_fd, 7: template}
+                sent = {t: fd for t, fd in fds.items() if fd >= 0}
+                job = asyncio.ensure_future(server.wait(await server.submit(argv[1:], sent)))
+            else:
+                pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
+                job = asyncio.ensure_future(_wait(pid))
         except BaseException:
             os.close(rep_r)
             os.close(rep_w)
@@ -616,7 +652,10 @@ class Launcher:
         try:
             # Like the runtime's: a cancelled create still lets the launcher finish, so
             # the undo finds (and kills) what it started.
-            code = await _outlive_cancel(asyncio.ensure_future(_wait(pid)))
+            try:
+                code = await _outlive_cancel(job)
+            except HostError as e:  # the spawn server's (it died, or refused the request)
+                raise HostError(f"corral-launch {sandbox_id}: {e.message}") from None
             report = _read_all(rep_r).decode(errors="replace").strip()
         finally:
             os.close(rep_r)
@@ -726,7 +765,8 @@ def _spawn(
     rootfs_fd: int = -1,
     template_fd: int = -1,
 ) -> int:
-    """posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
+    """(``CORRAL_LAUNCH_SPAWN=direct``; else the spawn server starts it)
+    posix_spawn (vfork-style: no copy of the agent) with fds 3 (control socket),
     4 (report pipe), 5 (BPF program), 6 (the rootfs mount), 7 (the template mount
     namespace) and stdio on /dev/null."""
     dups: list[int] = []
