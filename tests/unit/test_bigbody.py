@@ -1,6 +1,6 @@
 """A big exec result's streamed JSON body (corral.api.bigbody) is byte for byte what
 pydantic writes, reads back to the same result, and has the Content-Length it is sent
-with."""
+with; the node's end of the connection has a send buffer with room for a slice."""
 
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ async def test_the_sliced_body_is_pydantics_json() -> None:
 
 async def test_a_big_answer_goes_over_http_with_its_length() -> None:
     import shutil
+    import socket
     import tempfile
     from pathlib import Path
 
     import httpx
 
     import corral
-    from corral.api.server import NodeServer
+    from corral.api.server import _SNDBUF, NodeServer
     from corral.testing import FakeNode
 
     d = Path(tempfile.mkdtemp(prefix="corral-big-", dir="/tmp"))  # a short socket path
@@ -71,5 +72,16 @@ async def test_a_big_answer_goes_over_http_with_its_length() -> None:
                 assert resp.status_code == 200, resp.text[:300]
                 assert "chunked" not in resp.headers.get("transfer-encoding", "")
                 assert int(resp.headers["content-length"]) == len(resp.content)
+                # the node's end of the connection has room for a slice (api/server.py)
+                assert srv._server is not None
+                conns = srv._server.server_state.connections
+                wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
+                sizes = {
+                    c.transport.get_extra_info("socket").getsockopt(  # type: ignore[attr-defined]
+                        socket.SOL_SOCKET, socket.SO_SNDBUF
+                    )
+                    for c in conns
+                }
+                assert sizes == {2 * min(_SNDBUF, wmem_max)}, sizes
     finally:
         shutil.rmtree(d, ignore_errors=True)
