@@ -40,5 +40,6 @@ async def test_a_window_holds_the_same_fixed_rate_mix(short_dir: Path) -> None:
     assert (len(second.api_s), len(second.exec_s)) == (20, 20)
     assert first.errors == second.errors == []
     assert first.lag_s and second.lag_s  # the agent's loop was timed during each window
+    assert len(first.late_s) == 20  # how late each probe started
     assert len(gone.exec_s) == len(gone.errors) == 5  # each failed exec is counted
     assert all(e.startswith("exec: ") for e in gone.errors), gone.errors

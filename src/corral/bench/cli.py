@@ -411,7 +411,7 @@ def neighbours_cmd(
         typer.Option(
             "--probe-hz", min=1, help="API calls and neighbour execs started a second, each."
         ),
-    ] = 80.0,
+    ] = 50.0,
 ) -> Scenario:
     """Fork bomb, memory bomb, disk fill, output flood, inotify and fd exhaustion and a CPU
     burn, each in its own sandbox: a latency-class neighbour's exec p99 and the API's p99

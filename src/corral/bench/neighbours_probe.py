@@ -11,8 +11,9 @@ neighbour's ``exec true`` are each *started at a fixed rate* (``hz`` a second, t
 half a period after the API call), whatever the answers' latency, so an idle window and
 an attack window of the same length hold the same number of probes of the same mix. (A
 closed loop, the next call once the last has answered, takes fewer samples exactly when
-the node is slow, and the slow ones then weigh less in the p99.) Each latency is from the
-call's start to its answer.
+the node is slow, and the slow ones then weigh less in the p99.) At most
+:data:`IN_FLIGHT` of a kind are in flight. Each latency is from the call's start to its
+answer.
 
 **Flood** (:class:`Flood`): client processes that each ask for ``yes`` with a 64 MiB
 ``output_limit`` again and again, one exec after the other, until told to stop: the
@@ -22,7 +23,7 @@ its evidence.
 
 Example::
 
-    async with Probes(address, neighbour.id, hz=80) as probes:
+    async with Probes(address, neighbour.id, hz=50) as probes:
         w = await probes.window(6.0)      # w.api_s, w.exec_s, w.errors
     flood = await Flood.start(address, attacker.id, clients=2)
     ...
@@ -41,20 +42,32 @@ from typing import Any
 
 __all__ = ["Probes", "Flood", "FloodAnswer", "Window", "PROBE_HZ"]
 
-PROBE_HZ = 80.0
-"""API probes and neighbour execs started a second, each (a 6 s window: 480 of each)."""
+PROBE_HZ = 50.0
+"""API probes and neighbour execs started a second, each (a 6 s window: 300 of each)."""
+IN_FLIGHT = 4
+"""Probes of one kind in flight at most: a probe due while this many have not answered
+waits for one (an overloaded host would otherwise pile up requests without bound, and
+every latency would be the pile's, seconds, not the node's). ``late``
+says how late probes started against their due time, so a window that could not keep
+its rate shows it."""
 
 _PROBE_CLIENT = """
 import asyncio, json, sys, time
 from corral.sdk import AsyncClient
 
-async def window(client, sb, seconds, hz):
+async def window(client, sb, seconds, hz, in_flight):
     lat = {"exec": [], "api": []}
     errors = []
     late = []
+    room = {"exec": asyncio.Semaphore(in_flight), "api": asyncio.Semaphore(in_flight)}
 
-    async def one(kind):
-        t0 = time.perf_counter()
+    async def one(kind, due):
+        async with room[kind]:
+            t0 = time.perf_counter()
+            late.append(max(0.0, t0 - due))
+            await call(kind, t0)
+
+    async def call(kind, t0):
         try:
             if kind == "exec":
                 r = await sb.exec(["true"], timeout=30)
@@ -74,14 +87,11 @@ async def window(client, sb, seconds, hz):
             wait = due - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            late.append(max(0.0, time.perf_counter() - due))
-            tasks.append(asyncio.create_task(one(kind)))
+            tasks.append(asyncio.create_task(one(kind, due)))
         await asyncio.gather(*tasks)
 
     await asyncio.gather(paced("api", 0.0), paced("exec", 0.5 / hz))
-    late.sort()
-    return {"exec_s": lat["exec"], "api_s": lat["api"], "errors": errors,
-            "start_late_max_s": late[-1] if late else 0.0}
+    return {"exec_s": lat["exec"], "api_s": lat["api"], "errors": errors, "late_s": late}
 
 async def main(address, sandbox_id):
     loop = asyncio.get_running_loop()
@@ -92,7 +102,7 @@ async def main(address, sandbox_id):
         print(json.dumps({"ready": True}), flush=True)
         while line := await reader.readline():
             ask = json.loads(line)
-            res = await window(client, sb, ask["seconds"], ask["hz"])
+            res = await window(client, sb, ask["seconds"], ask["hz"], ask["in_flight"])
             print(json.dumps(res), flush=True)
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
@@ -129,9 +139,10 @@ class Window:
     """How late a 5 ms timer of the agent's event loop fired: the loop held up by
     work in it (or the host's CPUs busy)."""
     errors: list[str] = field(default_factory=list)
-    start_late_max_s: float = 0.0
-    """The latest a probe was started after its due time (the probe process itself
-    starved of CPU; the rate held if this stays small against the period)."""
+    late_s: list[float] = field(default_factory=list)
+    """How late each probe started against its due time (the probe process starved of
+    CPU, or :data:`IN_FLIGHT` probes still unanswered): the rate held if these stay small
+    against the period."""
 
 
 async def _client(script: str, *args: str) -> asyncio.subprocess.Process:
@@ -195,7 +206,8 @@ class Probes:
         proc = self._proc
         if proc is None or proc.stdin is None:
             raise RuntimeError("use Probes inside `async with`")
-        proc.stdin.write(json.dumps({"seconds": seconds, "hz": self.hz}).encode() + b"\n")
+        ask = {"seconds": seconds, "hz": self.hz, "in_flight": IN_FLIGHT}
+        proc.stdin.write(json.dumps(ask).encode() + b"\n")
         await proc.stdin.drain()
         answer = asyncio.create_task(_line(proc, "the probe process"))
         lag: list[float] = []
@@ -210,7 +222,7 @@ class Probes:
             api_s=got["api_s"],
             lag_s=lag,
             errors=got["errors"],
-            start_late_max_s=got["start_late_max_s"],
+            late_s=got["late_s"],
         )
 
 
