@@ -179,7 +179,7 @@ async def test_a_flood_is_read_by_a_worker_thread_in_order(fake, threaded) -> No
 
     init = await fake(script)
     res = await init.exec(["yes"], env=ENV, output_limit=len(out) * 65536)
-    assert len(threaded) == 1 and threaded[0] != "MainThread"
+    assert len(threaded) == 1 and threaded[0].startswith("corral-exec-read")
     assert (res.stdout, res.stderr) == (b"".join(out), b"".join(err))
     assert (res.code, res.pid, res.out_trunc, res.out_len) == (0, 7, True, 9999999)
 
@@ -235,3 +235,46 @@ async def test_abandoning_a_threaded_read_ends_it_and_tells_the_init(fake, threa
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(peer_gone.wait(), 30)
+    async with asyncio.timeout(30):  # and the thread ended: its slot in the pool is free
+        while initclient._readers_busy:
+            await asyncio.sleep(0.01)
+
+
+async def test_with_every_reader_busy_a_flood_is_read_on_the_loop(  # type: ignore[no-untyped-def]
+    fake, threaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(initclient, "_READERS", 0)
+    out = [os.urandom(65536) for _ in range(24)]
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"S"[0], _field(initclient.PID, 7)))
+        for o in out:
+            w.write(_frame(b"O"[0], o))
+            await w.drain()
+        w.write(_exit(0))
+
+    res = await (await fake(script)).exec(["yes"], env=ENV, output_limit=32 << 20)
+    assert (res.stdout, threaded) == (b"".join(out), [])
+    assert initclient._readers_busy == 0
+
+
+async def test_a_quiet_spell_in_a_threaded_read_is_not_an_end(  # type: ignore[no-untyped-def]
+    fake, threaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(initclient, "_READER_WAKE", 0.01)  # the reader wakes many times
+    big = [os.urandom(65536) for _ in range(20)]
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _request(r)
+        w.write(_frame(b"S"[0], _field(initclient.PID, 7)))
+        w.write(b"".join(_frame(b"O"[0], o) for o in big))
+        await w.drain()
+        while not threaded:  # the thread has the socket
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # silence: ~20 of the reader's wake-ups
+        w.write(_frame(b"O"[0], b"late\n") + _exit(0))
+
+    res = await (await fake(script)).exec(["x"], env=ENV, output_limit=32 << 20)
+    assert res.stdout == b"".join(big) + b"late\n"
+    assert len(threaded) == 1 and initclient._readers_busy == 0

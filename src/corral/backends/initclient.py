@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -55,6 +56,18 @@ _THREAD_JOIN = 1 << 20
 """Output (one stream) from which its pieces are joined in a worker thread."""
 _THREAD_READ = 1 << 20
 """Output of one exec past which the rest of its answer is read by a worker thread."""
+_READERS = 32
+"""Threads reading execs' answers at most (node-wide); past that, reads stay on the loop.
+
+A pool of their own, not asyncio's default executor (6 threads on 2 CPUs): a reader holds
+its thread until the exec ends, which for a command that prints 1 MiB and then a line
+an hour is an hour; a few of those would otherwise stop every ``to_thread`` of the node
+(the answers' base64 among them)."""
+_READER_WAKE = 5.0
+"""Seconds a reader thread waits in ``recv`` before it looks whether the loop is gone."""
+_reader_pool = ThreadPoolExecutor(_READERS, thread_name_prefix="corral-exec-read")
+_readers_busy = 0
+"""Readers handed to the pool and not yet done (touched on the loop's thread only)."""
 
 _HDR = struct.Struct(">IB")
 _FLD = struct.Struct(">BI")
@@ -338,8 +351,9 @@ class _SockConn(_Framed):
     The same frames and the same errors as :class:`_Conn`.
 
     An exec whose output passes :data:`_THREAD_READ` has the rest of its answer read by a
-    worker thread (:meth:`rest_in_thread`): blocking ``recv`` calls, which let go of the
-    GIL while the kernel copies, and the join there too. Even in short steps, reading a
+    worker thread (:meth:`rest_in_thread`, a pool of :data:`_READERS` of its own): blocking
+    ``recv`` calls, which let go of the GIL while the kernel copies, and the join there
+    too. Even in short steps, reading a
     64 MiB flood on the loop was ~95 ms of its CPU, each step landing between other
     requests' steps; from the thread, the loop's share is one hop. While the thread
     reads, it owns the socket: :meth:`close` only shuts it down (which ends the thread's
@@ -430,21 +444,26 @@ class _SockConn(_Framed):
             await self.loop.sock_sendall(self.sock, rest)
 
     def can_read_in_thread(self) -> bool:
-        """Whether the loop is done with the socket (no stdin still being sent on it)."""
-        return self.sending is None or self.sending.done()
+        """Whether the loop is done with the socket (no stdin still being sent on it) and
+        a reader thread is free."""
+        return (self.sending is None or self.sending.done()) and _readers_busy < _READERS
 
     async def rest_in_thread(
         self, out: list[bytes], err: list[bytes]
     ) -> tuple[bytes, bytes, bytes]:
         """Read the frames up to the exit in a worker thread, after ``out``/``err`` (what
         came so far); returns the exit frame's payload, stdout and stderr, joined."""
+        global _readers_busy
         with self.lock:
             self.in_thread = True
-        return await asyncio.to_thread(self._read_rest, out, err)
+        _readers_busy += 1
+        fut = self.loop.run_in_executor(_reader_pool, self._read_rest, out, err)
+        fut.add_done_callback(_reader_done)  # counted until the thread ends, not the await
+        return await fut
 
     def _read_rest(self, out: list[bytes], err: list[bytes]) -> tuple[bytes, bytes, bytes]:
         try:
-            self.sock.setblocking(True)
+            self.sock.settimeout(_READER_WAKE)
             while True:
                 t, body = self._frame_blocking()
                 if t == _O:
@@ -475,13 +494,23 @@ class _SockConn(_Framed):
             raise _error(body, self.op, self.path)
         return t, body
 
+    def _recv(self, n: int) -> bytes:
+        """A blocking ``recv`` that gives up once the loop is gone: a thread blocked for
+        good would hold the interpreter's exit (the pool's threads are joined there)."""
+        while True:
+            try:
+                return self.sock.recv(n)
+            except TimeoutError:
+                if self.close_asked or self.loop.is_closed():
+                    raise ConnectionAbortedError("the exec was abandoned") from None
+
     def _exactly_blocking(self, n: int) -> bytes:
-        data = self.sock.recv(n)
+        data = self._recv(n)
         if len(data) < n:
             parts = [data]
             got = len(data)
             while data and got < n:
-                data = self.sock.recv(n - got)
+                data = self._recv(n - got)
                 parts.append(data)
                 got += len(data)
             if not data:
@@ -499,6 +528,11 @@ class _SockConn(_Framed):
                     self.sock.shutdown(socket.SHUT_RDWR)
                 return
         self.sock.close()
+
+
+def _reader_done(_: object) -> None:
+    global _readers_busy
+    _readers_busy -= 1
 
 
 async def _joined(parts: list[bytes]) -> bytes:
