@@ -41,5 +41,6 @@ async def test_a_window_holds_the_same_fixed_rate_mix(short_dir: Path) -> None:
     assert first.errors == second.errors == []
     assert first.lag_s and second.lag_s  # the agent's loop was timed during each window
     assert len(first.late_s) == 20  # how late each probe started
+    assert first.loop_cpu_s > 0  # the loop thread served the probes meanwhile
     assert len(gone.exec_s) == len(gone.errors) == 5  # each failed exec is counted
     assert all(e.startswith("exec: ") for e in gone.errors), gone.errors

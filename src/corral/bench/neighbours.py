@@ -307,6 +307,7 @@ def _figures(w: Window) -> dict[str, Any]:
         "neighbour": summary_ms(w.exec_s) if w.exec_s else None,
         "api": summary_ms(w.api_s) if w.api_s else None,
         "loop_lag": summary_ms(w.lag_s) if w.lag_s else None,
+        "loop_cpu_ms": round(w.loop_cpu_s * 1000, 1),
         "probe_start_late": summary_ms(w.late_s) if w.late_s else None,
         "errors": w.errors[:5],
         "error_count": len(w.errors),

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -145,6 +146,9 @@ class Window:
     """How late a 5 ms timer of the agent's event loop fired: the loop held up by
     work in it (or the host's CPUs busy)."""
     errors: list[str] = field(default_factory=list)
+    loop_cpu_s: float = 0.0
+    """CPU time of the agent's event-loop thread during the window (its own work: the
+    host's load inflates it far less than it does latencies)."""
     late_s: list[float] = field(default_factory=list)
     """How late each probe started against its due time (the probe process starved of
     CPU, or :data:`IN_FLIGHT` probes still unanswered): the rate held if these stay small
@@ -218,12 +222,15 @@ class Probes:
         answer = asyncio.create_task(_line(proc, "the probe process"))
         lag: list[float] = []
         loop = asyncio.get_running_loop()
+        cpu0 = time.thread_time()
         while not answer.done():
             t0 = loop.time()
             await asyncio.sleep(0.005)
             lag.append(max(0.0, loop.time() - t0 - 0.005))
         got = await answer
+        cpu = time.thread_time() - cpu0
         return Window(
+            loop_cpu_s=cpu,
             exec_s=got["exec_s"],
             api_s=got["api_s"],
             lag_s=lag,
