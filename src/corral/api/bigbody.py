@@ -39,26 +39,47 @@ multiple of 3, so the slices' base64 joins without padding."""
 
 
 def exec_result_response(res: ExecResult, status: int = 200) -> Response:
-    """``res`` as its JSON body: in one piece when small, streamed in slices when big."""
+    """``res`` as its JSON body: in one piece when small, streamed in slices when big.
+
+    The streamed body's length is known before its first byte (base64 is 4 bytes for
+    every 3, padded), so it is sent with ``Content-Length`` rather than chunked: h11
+    frames each chunk of a chunked body by joining it with its size line, one more copy
+    of every slice (85 MiB for a 64 MiB output) on the loop's thread."""
     if len(res.stdout) + len(res.stderr) <= BIG:
         return Response(res.model_dump_json(), status_code=status, media_type="application/json")
+    head, mid, tail = _frame(res)
+    length = len(head) + _b64_len(res.stdout) + len(mid) + _b64_len(res.stderr) + len(tail)
     return StreamingResponse(
-        exec_result_chunks(res), status_code=status, media_type="application/json"
+        exec_result_chunks(res),
+        status_code=status,
+        media_type="application/json",
+        headers={"content-length": str(length)},
     )
+
+
+def _b64_len(data: bytes) -> int:
+    return 4 * ((len(data) + 2) // 3)
+
+
+def _frame(res: ExecResult) -> tuple[bytes, bytes, bytes]:
+    """The JSON of ``res`` around its two bytes fields: before stdout's base64, between
+    it and stderr's, after stderr's."""
+    light = res.model_copy(update={"stdout": b"", "stderr": b""}).model_dump_json().encode()
+    blank = b'"stdout":"","stderr":""'
+    at = light.index(blank)  # the only bytes fields; the ones before are numbers or null
+    return light[:at] + b'"stdout":"', b'","stderr":"', b'"' + light[at + len(blank) :]
 
 
 async def exec_result_chunks(res: ExecResult) -> AsyncIterator[bytes]:
     """The JSON of ``res`` in pieces, each slice's base64 made in a worker thread."""
-    light = res.model_copy(update={"stdout": b"", "stderr": b""}).model_dump_json().encode()
-    blank = b'"stdout":"","stderr":""'
-    at = light.index(blank)  # the only bytes fields; the ones before are numbers or null
-    yield light[:at] + b'"stdout":"'
+    head, mid, tail = _frame(res)
+    yield head
     async for piece in _b64(res.stdout):
         yield piece
-    yield b'","stderr":"'
+    yield mid
     async for piece in _b64(res.stderr):
         yield piece
-    yield b'"' + light[at + len(blank) :]
+    yield tail
 
 
 async def _b64(data: bytes) -> AsyncIterator[bytes]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from corral.api.app import create_app
 from corral.errors import Conflict, HostError, InvalidRequest
@@ -47,6 +48,30 @@ _GRACE = 10
 # before the node does. With uvicorn's 5 s, a pooled connection the node had just closed
 # was reused now and then, and the request failed with "connection reset by peer".
 _KEEP_ALIVE = 310
+
+
+_SNDBUF = 4 << 20
+"""Send buffer asked for on each accepted connection (the kernel doubles it and clamps it
+to ``net.core.wmem_max``)."""
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a bigger send buffer on each connection.
+
+    A big exec answer is written in 4 MiB slices (api/bigbody.py). With the default
+    ~208 KiB send buffer, the transport's first ``send`` takes ~208 KiB of a slice and the
+    rest is copied twice on the loop's thread (``data[n:]``, then into the transport's
+    buffer) and sent in ~20 more steps; with room for the slice, one ``send`` (the
+    kernel's copy, the GIL let go) takes it all. The room is only used while a client is
+    slower than the node, and what it holds would otherwise sit in the transport's buffer.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # Safe: a buffer size on our own socket
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+        super().connection_made(transport)
 
 
 class _Server(uvicorn.Server):
@@ -105,6 +130,7 @@ class NodeServer:
         self._config = uvicorn.Config(
             create_app(ops, token=token, max_body=max_body, e2b_enabled=e2b),
             lifespan="off",
+            http=_Protocol,
             # leave logging to the embedding program; access logs would sit on the exec path
             log_config=None,
             access_log=False,

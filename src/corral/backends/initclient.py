@@ -26,7 +26,9 @@ import math
 import os
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -52,6 +54,20 @@ _STEP_BYTES = 128 << 10
 """Bytes an exec's reader takes off its socket in one step of the event loop at most."""
 _THREAD_JOIN = 1 << 20
 """Output (one stream) from which its pieces are joined in a worker thread."""
+_THREAD_READ = 1 << 20
+"""Output of one exec past which the rest of its answer is read by a worker thread."""
+_READERS = 32
+"""Threads reading execs' answers at most (node-wide); past that, reads stay on the loop.
+
+A pool of their own, not asyncio's default executor (6 threads on 2 CPUs): a reader holds
+its thread until the exec ends, which for a command that prints 1 MiB and then a line
+an hour is an hour; a few of those would otherwise stop every ``to_thread`` of the node
+(the answers' base64 among them)."""
+_READER_WAKE = 5.0
+"""Seconds a reader thread waits in ``recv`` before it looks whether the loop is gone."""
+_reader_pool = ThreadPoolExecutor(_READERS, thread_name_prefix="corral-exec-read")
+_readers_busy = 0
+"""Readers handed to the pool and not yet done (touched on the loop's thread only)."""
 
 _HDR = struct.Struct(">IB")
 _FLD = struct.Struct(">BI")
@@ -333,15 +349,38 @@ class _SockConn(_Framed):
     its own size (one copy, by the kernel), and a step of the loop drains at most
     :data:`_STEP_BYTES` before yielding, so a flood of output is many short steps.
     The same frames and the same errors as :class:`_Conn`.
+
+    An exec whose output passes :data:`_THREAD_READ` has the rest of its answer read by a
+    worker thread (:meth:`rest_in_thread`, a pool of :data:`_READERS` of its own): blocking
+    ``recv`` calls, which let go of the GIL while the kernel copies, and the join there
+    too. Even in short steps, reading a
+    64 MiB flood on the loop was ~95 ms of its CPU, each step landing between other
+    requests' steps; from the thread, the loop's share is one hop. While the thread
+    reads, it owns the socket: :meth:`close` only shuts it down (which ends the thread's
+    ``recv`` and tells the init the exec is abandoned) and the thread closes it, so no
+    ``recv`` can land on a file descriptor number that was closed and reused.
     """
 
-    __slots__ = ("sock", "path", "op", "loop", "sending", "since_yield")
+    __slots__ = (
+        "sock",
+        "path",
+        "op",
+        "loop",
+        "sending",
+        "since_yield",
+        "lock",
+        "in_thread",
+        "close_asked",
+    )
 
     def __init__(self, sock: socket.socket, path: str, op: str) -> None:
         self.sock, self.path, self.op = sock, path, op
         self.loop = asyncio.get_running_loop()
         self.sending: asyncio.Task[None] | None = None
         self.since_yield = 0
+        self.lock = threading.Lock()
+        self.in_thread = False
+        self.close_asked = False
 
     async def _exactly(self, n: int) -> bytes:
         data = await self.loop.sock_recv(self.sock, n)
@@ -357,21 +396,28 @@ class _SockConn(_Framed):
             data = b"".join(parts)
         return data
 
+    def _length(self, n: int) -> None:
+        if not 1 <= n <= MAX_FRAME:
+            raise SandboxError(f"init at {self.path} sent a bad frame length {n} ({self.op})")
+
+    def _closed(self) -> SandboxError:
+        return SandboxError(
+            f"init at {self.path} closed the connection before answering {self.op} "
+            "(did the sandbox stop?)"
+        )
+
+    def _dropped(self, e: OSError) -> SandboxError:
+        return SandboxError(f"init at {self.path} dropped the connection ({self.op}): {e}")
+
     async def frame(self) -> tuple[int, bytes]:
         try:
             n, t = _HDR.unpack(await self._exactly(5))
-            if not 1 <= n <= MAX_FRAME:
-                raise SandboxError(f"init at {self.path} sent a bad frame length {n} ({self.op})")
+            self._length(n)
             body = await self._exactly(n - 1) if n > 1 else b""
         except asyncio.IncompleteReadError:
-            raise SandboxError(
-                f"init at {self.path} closed the connection before answering {self.op} "
-                "(did the sandbox stop?)"
-            ) from None
+            raise self._closed() from None
         except ConnectionError as e:
-            raise SandboxError(
-                f"init at {self.path} dropped the connection ({self.op}): {e}"
-            ) from None
+            raise self._dropped(e) from None
         if t == _R:
             raise _error(body, self.op, self.path)
         # sock_recv returns without suspending while data is queued: yield now and then
@@ -397,10 +443,96 @@ class _SockConn(_Framed):
         with contextlib.suppress(ConnectionError):
             await self.loop.sock_sendall(self.sock, rest)
 
+    def can_read_in_thread(self) -> bool:
+        """Whether the loop is done with the socket (no stdin still being sent on it) and
+        a reader thread is free."""
+        return (self.sending is None or self.sending.done()) and _readers_busy < _READERS
+
+    async def rest_in_thread(
+        self, out: list[bytes], err: list[bytes]
+    ) -> tuple[bytes, bytes, bytes]:
+        """Read the frames up to the exit in a worker thread, after ``out``/``err`` (what
+        came so far); returns the exit frame's payload, stdout and stderr, joined."""
+        global _readers_busy
+        with self.lock:
+            self.in_thread = True
+        _readers_busy += 1
+        fut = self.loop.run_in_executor(_reader_pool, self._read_rest, out, err)
+        fut.add_done_callback(_reader_done)  # counted until the thread ends, not the await
+        return await fut
+
+    def _read_rest(self, out: list[bytes], err: list[bytes]) -> tuple[bytes, bytes, bytes]:
+        try:
+            self.sock.settimeout(_READER_WAKE)
+            while True:
+                t, body = self._frame_blocking()
+                if t == _O:
+                    out.append(body)
+                elif t == _E:
+                    err.append(body)
+                elif t == _X:
+                    return body, _join_and_free(out), _join_and_free(err)
+                elif t != _S:
+                    raise self.unexpected(t)
+        finally:
+            with self.lock:
+                self.in_thread = False
+                if self.close_asked:
+                    self.sock.close()
+
+    def _frame_blocking(self) -> tuple[int, bytes]:
+        """:meth:`frame` with blocking reads, in the worker thread."""
+        try:
+            n, t = _HDR.unpack(self._exactly_blocking(5))
+            self._length(n)
+            body = self._exactly_blocking(n - 1) if n > 1 else b""
+        except asyncio.IncompleteReadError:
+            raise self._closed() from None
+        except OSError as e:  # reset, or shut down by close() (the exec abandoned)
+            raise self._dropped(e) from None
+        if t == _R:
+            raise _error(body, self.op, self.path)
+        return t, body
+
+    def _recv(self, n: int) -> bytes:
+        """A blocking ``recv`` that gives up once the loop is gone: a thread blocked for
+        good would hold the interpreter's exit (the pool's threads are joined there)."""
+        while True:
+            try:
+                return self.sock.recv(n)
+            except TimeoutError:
+                if self.close_asked or self.loop.is_closed():
+                    raise ConnectionAbortedError("the exec was abandoned") from None
+
+    def _exactly_blocking(self, n: int) -> bytes:
+        data = self._recv(n)
+        if len(data) < n:
+            parts = [data]
+            got = len(data)
+            while data and got < n:
+                data = self._recv(n - got)
+                parts.append(data)
+                got += len(data)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", n)
+            data = b"".join(parts)
+        return data
+
     def close(self) -> None:
         if self.sending is not None:
             self.sending.cancel()
+        with self.lock:
+            if self.in_thread:  # the thread closes it; ending its recv is enough here
+                self.close_asked = True
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                return
         self.sock.close()
+
+
+def _reader_done(_: object) -> None:
+    global _readers_busy
+    _readers_busy -= 1
 
 
 async def _joined(parts: list[bytes]) -> bytes:
@@ -570,7 +702,8 @@ class InitClient:
             c.send(data)
             out: list[bytes] = []
             err: list[bytes] = []
-            pid = 0
+            size = pid = 0
+            joined: tuple[bytes, bytes] | None = None
             first: tuple[int, bytes] | None = await c.first_frame(self.start_timeout)
             async with asyncio.timeout(None if timeout is None else timeout + _GUARD):
                 while True:
@@ -578,6 +711,13 @@ class InitClient:
                     first = None
                     if t == _O:
                         out.append(body)
+                        size += len(body)
+                        if size >= _THREAD_READ and c.can_read_in_thread():
+                            # a flood of output: the rest is read off the loop
+                            body, stdout, stderr = await c.rest_in_thread(out, err)
+                            joined = (stdout, stderr)
+                            f, _ = _decode(body)
+                            break
                     elif t == _E:
                         err.append(body)
                     elif t == _X:
@@ -593,6 +733,8 @@ class InitClient:
             ) from None
         finally:
             c.close()
+        if joined is not None:
+            return _exit_from(f, joined[0], joined[1], pid)
         return _exit_from(f, await _joined(out), await _joined(err), pid)
 
     def stream(

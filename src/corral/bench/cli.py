@@ -406,13 +406,19 @@ def neighbours_cmd(
         list[str] | None,
         typer.Option("--attack", help="Run only this attack (repeatable); default: all."),
     ] = None,
+    probe_hz: Annotated[
+        float,
+        typer.Option(
+            "--probe-hz", min=1, help="API calls and neighbour execs started a second, each."
+        ),
+    ] = 50.0,
 ) -> Scenario:
     """Fork bomb, memory bomb, disk fill, output flood, inotify and fd exhaustion and a CPU
     burn, each in its own sandbox: a latency-class neighbour's exec p99 and the API's p99
     against idle, and whether anyone outside the attacker was harmed."""
     from corral.bench.neighbours import neighbours
 
-    return neighbours(opts, seconds, attack or None)
+    return neighbours(opts, seconds, attack or None, probe_hz)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -1,15 +1,17 @@
 """``corral bench neighbours``: one sandbox attacks the node while a latency-class neighbour
 keeps working; does the neighbour (and the node's API) notice, and is anyone harmed?
 
-Three sandboxes besides the attacker, on one embedded node:
+Three sandboxes besides the attacker, on one embedded node. Every call goes through the
+node's HTTP API on a unix socket (the server runs in the agent's process, as ``corral node
+serve`` does), from client processes of their own (bench/neighbours_probe.py).
 
-Every call goes through the node's HTTP API on a unix socket (the server runs in the
-agent's process, as ``corral node serve`` does).
-
-- the **neighbour** (``qos="latency"``) runs ``exec true`` in a loop, while a second loop
-  asks the node's API for its sandbox list: their p99 during each attack is compared with
-  their p99 when nothing attacks (idle windows interleaved with the attacks, pooled, since
-  the machine's own load drifts);
+- the **neighbour** (``qos="latency"``) gets ``exec true`` and the node's API a sandbox
+  list, each started at a fixed rate (``probe_hz``) by the probe process: every window
+  holds the same number of probes of the same mix. Before each attack an idle window of
+  the same length is measured, and the attack's p99 is compared with that one (the
+  machine's load drifts; ``idle`` also pools all idle windows). Each window reports
+  ``n``, p50 and p99 of both probes and ``loop_lag`` (how late a 5 ms timer of the
+  agent's event loop fired);
 - the **bystander** (best effort, like the attacker) holds a file of random bytes and a
   background ``sleep``: after each attack, still inside its window, it must still read its
   file back unchanged, find its ``sleep`` alive, and be able to fork, open files, make an
@@ -17,14 +19,15 @@ agent's process, as ``corral node serve`` does).
   attack that exhausts a shared kernel pool (per-user inotify instances, pids, fds, the
   scratch filesystem) shows up there.
 
-Each attack runs in a fresh best-effort sandbox of its own with bounded limits for
-``seconds`` and is destroyed after it (``destroy_s``: how long that took). The attacks:
-fork bomb, memory bomb (allocate until OOM, again and again), disk fill (``yes > file``),
-output flood (``yes`` as an exec whose output the node must cap, asked for by two client
-processes of their own, as a trainer's would be; ``flood_s``: each exec as its client saw
-it), inotify exhaustion, fd
-exhaustion, and a busy loop on every core. The attack scripts use python3 (inotify and
-fd exhaustion have no shell tool), so the image must have it ('python' builds one).
+Each attack runs in a fresh best-effort sandbox of its own with bounded limits, is at
+full strength (its readiness signal, ``bit``) before its window of ``seconds`` starts, and
+is destroyed after it (``destroy_s``: how long that took). The attacks: fork bomb, memory
+bomb (allocate until OOM, again and again), disk fill (``yes > file``), output flood (two
+client processes each asking for ``yes`` with a 64 MiB cap, one exec after the other for
+the whole window; ``floods`` and ``flood_s``: each exec as its client saw it), inotify
+exhaustion, fd exhaustion, and a busy loop on every core. The attack scripts use python3
+(inotify and fd exhaustion have no shell tool), so the image must have it ('python'
+builds one).
 
 At the end the node is closed and the host scanned (host/leaks.py): ``leaked_total``.
 
@@ -39,14 +42,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from corral.bench.leftovers import settled_scan
+from corral.bench.neighbours_probe import PROBE_HZ, Flood, Probes, Window
 from corral.bench.scenarios import BenchOptions, header, prepared, say
 from corral.bench.stats import summary_ms
 from corral.errors import SandboxNotFound
@@ -80,7 +81,7 @@ ATTACKS: dict[str, str] = {
     "fork_bomb": "a shell function that forks itself twice, forever (the pids limit stops it)",
     "memory_bomb": "python allocating 16 MiB at a time until the OOM killer ends it, in a loop",
     "disk_fill": "yes > /tmp/fill in a loop (the sandbox's disk quota stops it)",
-    "output_flood": "two execs of `yes` whose output the node must cap",
+    "output_flood": "two clients asking, one exec after the other, for `yes` capped at 64 MiB",
     "inotify": "8 processes each making inotify instances until refused",
     "fds": "8 processes each opening /dev/null until EMFILE",
     "cpu_burn": "a busy loop on every core",
@@ -131,57 +132,13 @@ for b_ in bad:
 """
 
 _ATTACKER_LIMITS = {"memory": "256MiB", "pids": 256, "disk": "64MiB"}
-
-_FLOOD_CLIENT = """
-import asyncio, json, sys, time
-from corral.sdk import AsyncClient
-
-async def main(address, sandbox_id, timeout):
-    async with AsyncClient(address) as client:
-        sb = await client.sandboxes.get(sandbox_id)
-        t0 = time.perf_counter()
-        r = await sb.exec(["yes"], timeout=timeout, output_limit="64MiB")
-        s = time.perf_counter() - t0
-        print(json.dumps({"truncated": r.truncated, "bytes": len(r.stdout), "seconds": s}))
-
-asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
-"""
+_FLOOD_TIMEOUT = 120.0
+"""Seconds one flooding exec may take (the node stops it at its cap long before)."""
 
 
-@dataclass
-class _FloodAnswer:
-    truncated: bool
-    bytes: int
-    seconds: float
-    """The exec call as its client saw it: request to the last byte of its answer."""
-
-
-async def _flood(address: str, sandbox_id: str, timeout: float) -> _FloodAnswer:
-    """One flooding exec, asked for by a client process of its own: a trainer that
-    reads 64 MiB of output decodes it in its own process, not in the agent's; in this
-    process its decoding (~0.2 s a flood, on the event loop the node serves from) would
-    be counted as the node's latency."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        _FLOOD_CLIENT,
-        address,
-        sandbox_id,
-        str(timeout),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"flood client exited {proc.returncode}: {err.decode()[-300:]}")
-    return _FloodAnswer(**json.loads(out.decode().strip().splitlines()[-1]))
-
-
-async def _start_attack(
-    sb: Sandbox, name: str, seconds: float, address: str
-) -> list[asyncio.Task[Any]]:
-    """Start attack ``name`` in ``sb``; the tasks returned are execs running through it
-    (the flood's, from client processes talking to the node's API at ``address``)."""
+async def _start_attack(sb: Sandbox, name: str, address: str) -> Flood | None:
+    """Start attack ``name`` in ``sb``; the flood's client processes (talking to the node's
+    API at ``address``) are returned, to be stopped after the window."""
     cpus = os.cpu_count() or 1
     if name == "fork_bomb":
         await sb.spawn(["sh", "-c", "f() { f | f & }; f; sleep 3600"])
@@ -192,12 +149,9 @@ async def _start_attack(
             ["sh", "-c", "yes > /tmp/fill; while :; do yes >> /tmp/fill; sleep 0.05; done"]
         )
     elif name == "output_flood":
-        return [
-            # Stopped by the node at its cap; the timeout only bounds a flood that a
-            # saturated host (the attacker is best-effort: idle CPU only) never lets finish.
-            asyncio.create_task(_flood(address, sb.id, seconds + 120))
-            for _ in range(2)
-        ]
+        # Each exec is stopped by the node at its cap; the timeout only bounds one that a
+        # saturated host (the attacker is best-effort: idle CPU only) never lets finish.
+        return await Flood.start(address, sb.id, clients=2, timeout=_FLOOD_TIMEOUT)
     elif name == "inotify":
         for _ in range(8):
             await sb.spawn(["python3", "-c", _INOTIFY])
@@ -209,55 +163,7 @@ async def _start_attack(
             await sb.spawn(["sh", "-c", "while :; do :; done"])
     else:
         raise ValueError(f"unknown attack {name!r}; known: {', '.join(ATTACKS)}")
-    return []
-
-
-@dataclass
-class _Window:
-    """Latencies gathered by the two probe loops while ``running`` is set."""
-
-    exec_s: list[float] = field(default_factory=list)
-    api_s: list[float] = field(default_factory=list)
-    lag_s: list[float] = field(default_factory=list)
-    """How late a 5 ms timer of the agent's event loop fired: the loop held up by
-    work in it (or the host's CPUs busy)."""
-    errors: list[str] = field(default_factory=list)
-
-
-async def _probe(client: AsyncClient, neighbour: Sandbox, seconds: float) -> _Window:
-    """The neighbour's exec loop and the API loop, side by side for ``seconds``."""
-    w = _Window()
-    end = time.monotonic() + seconds
-
-    async def execs() -> None:
-        while time.monotonic() < end:
-            t0 = time.perf_counter()
-            try:
-                r = await neighbour.exec(["true"], timeout=30)
-                if r.exit_code != 0:
-                    w.errors.append(f"neighbour exec: exit {r.exit_code} {r.reason}")
-            except Exception as e:  # noqa: BLE001 - an error is a finding, not the end
-                w.errors.append(f"neighbour exec: {type(e).__name__}: {e}"[:300])
-            w.exec_s.append(time.perf_counter() - t0)
-
-    async def api() -> None:
-        while time.monotonic() < end:
-            t0 = time.perf_counter()
-            try:
-                await client.sandboxes.list()
-            except Exception as e:  # noqa: BLE001
-                w.errors.append(f"api: {type(e).__name__}: {e}"[:300])
-            w.api_s.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.01)  # a client polling, not a second flood
-
-    async def lag() -> None:
-        while time.monotonic() < end:
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            w.lag_s.append(max(0.0, time.perf_counter() - t0 - 0.005))
-
-    await asyncio.gather(execs(), api(), lag())
-    return w
+    return None
 
 
 async def _harm(bystander: Sandbox, neighbour: Sandbox, digest: str) -> list[str]:
@@ -344,10 +250,11 @@ async def _one_attack(
     img: ImageInfo,
     name: str,
     seconds: float,
-    probes: tuple[Sandbox, Sandbox, str],
+    probes: Probes,
+    kept: tuple[Sandbox, Sandbox, str],
     address: str,
-) -> tuple[dict[str, Any], _Window]:
-    neighbour, bystander, digest = probes
+) -> tuple[dict[str, Any], Window]:
+    neighbour, bystander, digest = kept
     cpus = os.cpu_count() or 1
     attacker = await client.sandboxes.create(
         image=img,
@@ -356,32 +263,34 @@ async def _one_attack(
         labels={"corral-bench": "neighbours-attacker", "attack": name},
     )
     res: dict[str, Any] = {"name": name}
-    execs: list[asyncio.Task[Any]] = []
+    flood: Flood | None = None
     try:
-        execs = await _start_attack(attacker, name, seconds, address)
+        flood = await _start_attack(attacker, name, address)
         t0 = time.perf_counter()
         res["bit"] = await _until_bitten(node, attacker, name)
         res["ramp_s"] = round(time.perf_counter() - t0, 3)
-        w = await _probe(client, neighbour, seconds)
+        w = await probes.window(seconds)
         res["harmed"] = await _harm(bystander, neighbour, digest)
         res["effect"] = await _effect(node, attacker)
-        if execs:
-            # the flood's answer (truncated at the cap) is its evidence: let it end first
-            await asyncio.wait(execs, timeout=seconds + 130)
+        if flood is not None:
+            # the floods' answers (truncated at the cap) are their evidence: each client
+            # ends the exec it is in, then stops
+            answers, errors = await flood.stop(grace=_FLOOD_TIMEOUT + 10)
+            flood = None
+            res["flood_truncated"] = bool(answers) and all(a.truncated for a in answers)
+            res["floods"] = len(answers)
+            res["flood_s"] = [round(a.seconds, 3) for a in answers]
+            if errors:
+                res["flood_errors"] = errors
     finally:
+        if flood is not None:
+            await flood.kill()
         t0 = time.perf_counter()
         try:
             await attacker.destroy()
         except Exception as e:  # noqa: BLE001 - reported; the node's close destroys it
             res["destroy_error"] = f"{type(e).__name__}: {e}"[:300]
         res["destroy_s"] = round(time.perf_counter() - t0, 3)
-        for t in execs:
-            try:
-                r = await t
-                res["flood_truncated"] = bool(r.truncated)
-                res.setdefault("flood_s", []).append(round(r.seconds, 3))
-            except BaseException as e:  # noqa: BLE001 - reported: why the flood has no answer
-                res.setdefault("flood_errors", []).append(f"{type(e).__name__}: {e}"[:300])
     with contextlib.suppress(SandboxNotFound):  # gone entirely: as good as destroyed
         if (await attacker.refresh()).state != "destroyed":
             res["harmed"].append("the attacker's sandbox outlived its destroy")
@@ -392,8 +301,28 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def _figures(w: Window) -> dict[str, Any]:
+    """A window's summaries (n, p50, p99, min, max of each probe) and its errors."""
+    return {
+        "neighbour": summary_ms(w.exec_s) if w.exec_s else None,
+        "api": summary_ms(w.api_s) if w.api_s else None,
+        "loop_lag": summary_ms(w.lag_s) if w.lag_s else None,
+        "loop_cpu_ms": round(w.loop_cpu_s * 1000, 1),
+        "probe_start_late": summary_ms(w.late_s) if w.late_s else None,
+        "errors": w.errors[:5],
+        "error_count": len(w.errors),
+    }
+
+
+def _p99(fig: dict[str, Any], probe: str) -> float | None:
+    return (fig.get(probe) or {}).get("p99_ms")
+
+
 async def neighbours(
-    opts: BenchOptions, seconds: float, attacks: list[str] | None = None
+    opts: BenchOptions,
+    seconds: float,
+    attacks: list[str] | None = None,
+    probe_hz: float = PROBE_HZ,
 ) -> dict[str, Any]:
     """The ``neighbours`` scenario (see the module docstring)."""
     from corral.api.server import NodeServer
@@ -403,9 +332,9 @@ async def neighbours(
         if n not in ATTACKS:
             raise ValueError(f"unknown attack {n!r}; known: {', '.join(ATTACKS)}")
     async with prepared(opts) as p:
-        out = header("neighbours", p, seconds=seconds)
+        out = header("neighbours", p, seconds=seconds, probe_hz=probe_hz)
         results: list[dict[str, Any]] = []
-        idle = _Window()
+        idle = Window()
         async with contextlib.AsyncExitStack() as stack:
             embedded = await stack.enter_async_context(AsyncClient(config=opts.node_config()))
             # everything goes over the node's real HTTP API (a unix socket), as a trainer's
@@ -431,28 +360,32 @@ async def neighbours(
                 first = await _harm(bystander, neighbour, digest)
                 if first:  # the image cannot run the check: say so, do not blame attacks
                     raise RuntimeError(f"the harm check fails before any attack: {first}")
-                await _probe(client, neighbour, 1.0)  # warm-up
+                probes = await stack.enter_async_context(
+                    Probes(srv.address, neighbour.id, probe_hz)
+                )
+                await probes.window(1.0)  # warm-up
                 for name in names:
-                    say(f"neighbours: idle {seconds / 2:.1f} s, then attack {name} {seconds} s")
-                    w = await _probe(client, neighbour, seconds / 2)
-                    idle.exec_s += w.exec_s
-                    idle.api_s += w.api_s
-                    idle.lag_s += w.lag_s
-                    idle.errors += w.errors
+                    say(f"neighbours: idle {seconds:.1f} s, then attack {name} {seconds:.1f} s")
+                    before = await probes.window(seconds)
+                    for k in ("exec_s", "api_s", "lag_s", "errors"):
+                        getattr(idle, k).extend(getattr(before, k))
                     res, w = await _one_attack(
                         node,
                         client,
                         img,
                         name,
                         seconds,
+                        probes,
                         (neighbour, bystander, digest),
                         srv.address,
                     )
-                    res["neighbour"] = summary_ms(w.exec_s) if w.exec_s else None
-                    res["api"] = summary_ms(w.api_s) if w.api_s else None
-                    res["loop_lag"] = summary_ms(w.lag_s) if w.lag_s else None
-                    res["errors"] = w.errors[:5]
-                    res["error_count"] = len(w.errors)
+                    res.update(_figures(w))
+                    res["idle"] = _figures(before)
+                    for probe, key in (
+                        ("neighbour", "neighbour_p99_ratio"),
+                        ("api", "api_p99_ratio"),
+                    ):
+                        res[key] = _ratio(_p99(res, probe), _p99(res["idle"], probe))
                     results.append(res)
             finally:
                 await asyncio.gather(
@@ -461,22 +394,14 @@ async def neighbours(
                 left = await client.sandboxes.list()
                 await asyncio.gather(*(s.destroy() for s in left), return_exceptions=True)
         found = await settled_scan(opts)
-    idle_exec = summary_ms(idle.exec_s)
-    idle_api = summary_ms(idle.api_s)
-    for r in results:
-        r["neighbour_p99_ratio"] = _ratio((r["neighbour"] or {}).get("p99_ms"), idle_exec["p99_ms"])
-        r["api_p99_ratio"] = _ratio((r["api"] or {}).get("p99_ms"), idle_api["p99_ms"])
     ratios_n = [r["neighbour_p99_ratio"] for r in results if r["neighbour_p99_ratio"]]
     ratios_a = [r["api_p99_ratio"] for r in results if r["api_p99_ratio"]]
+    idle_p99_a = [_p99(r["idle"], "api") for r in results]
     out.update(
         {
             "attacks": results,
-            "idle": {
-                "neighbour": idle_exec,
-                "api": idle_api,
-                "loop_lag": summary_ms(idle.lag_s) if idle.lag_s else None,
-                "errors": idle.errors[:5],
-            },
+            "idle": _figures(idle),
+            "idle_api_p99_ms_each": idle_p99_a,
             "neighbour_p99_ratio_max": max(ratios_n, default=None),
             "api_p99_ratio_max": max(ratios_a, default=None),
             "harmed": sum(len(r["harmed"]) for r in results),
