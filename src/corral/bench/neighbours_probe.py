@@ -21,7 +21,10 @@ the node's process) showed as the node's latency, in idle windows as in attack o
 ``output_limit`` again and again, one exec after the other, until told to stop: the
 flood is at full force for the whole window, not only for the first second or two of it
 that one exec each lasted. Each answer (truncated at the cap, its bytes, its seconds) is
-its evidence.
+its evidence. The flood's clients run at nice 19: they stand for a trainer on another
+machine, and each answer costs its client ~85 MB of JSON to parse and 64 MiB of base64 to
+decode, CPU that on this host's 2 cores would otherwise be taken from the node and the
+probes, which a node does not pay in production.
 
 Example::
 
@@ -116,10 +119,13 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 _FLOOD_CLIENT = """
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 from corral.sdk import AsyncClient
 
 async def main(address, sandbox_id, timeout):
+    # a trainer's process on another machine, not the node's: its CPU (parsing 85 MB of
+    # JSON and decoding 64 MiB of base64 per answer) yields to everything on this host
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
     loop = asyncio.get_running_loop()
     stop = loop.run_in_executor(None, sys.stdin.read)  # returns at EOF: stop
     async with AsyncClient(address) as client:
