@@ -17,13 +17,17 @@ for the first and the last window, it attributes every sample to a group by proc
 and prints, per group, CPU ms per create, and per kernel/user symbol the ms per create
 (inclusive: the symbol anywhere in the stack; self: the leaf) in the first and the last
 window, sorted by growth. Compare ms per create, not wall rates: the host is shared.
+``--phase exec`` cuts out the exec probes instead (one sandbox alive vs all: ms per
+exec), ``--phase destroy`` the destroy of all of them (in two halves by time, sorted by
+the biggest cost: ms per destroy); one recording serves all three.
 
 Example (root; takes about as long as the bench plus a minute of ``perf script``)::
 
     PYTHONPATH=src python tools/profile_scale.py --count 3200 --window 400 --out /tmp/prof
     PYTHONPATH=src python tools/profile_scale.py --report /tmp/prof   # re-read a run
+    PYTHONPATH=src python tools/profile_scale.py --report /tmp/prof --phase destroy
 
-Nothing is left behind but OUT (perf.data, result.json, report.txt); the bench itself
+Nothing is left behind but OUT (perf.data, result.json, report-PHASE.txt); the bench itself
 checks the host for leftovers.
 """
 
@@ -170,16 +174,40 @@ def _samples(lines: list[str]):
         stack.append(sym)
 
 
-def analyse(out: Path, top: int) -> str:
-    result = json.loads((out / "result.json").read_text().strip().splitlines()[-1])
+def _cuts(result: dict, phase: str) -> list[tuple[str, float, float, int, dict]]:
+    """The spans to compare, as (label, t0, t1, ops, window): for ``create``, the first
+    and the last window's creates; for ``exec``, the probes with one sandbox alive and
+    with all of them (``exec_mono_s``); for ``destroy``, the first and the second half of
+    the destroy of all of them (split by time: ops counted pro rata)."""
     windows = result["windows"]
-    picks = [("first", windows[0]), ("last", windows[-1])]
+    if phase == "create":
+        last = len(windows) - 1
+        prev = windows[last - 1]["live"] if last else 0
+        return [
+            ("first", *windows[0]["mono_s"], windows[0]["live"], windows[0]),
+            ("last", *windows[-1]["mono_s"], windows[-1]["live"] - prev, windows[-1]),
+        ]
+    if phase == "exec":
+        n = 100  # corral.bench.scale.EXEC_SAMPLES (kept import-free: runs from any tree)
+        empty = {"live": 1, "create_per_s": None, "exec_p50_ms": result["exec_p50_ms_empty"]}
+        return [
+            ("empty", *result["exec_empty_mono_s"], n, empty),
+            ("full", *windows[-1]["exec_mono_s"], min(n, windows[-1]["live"]), windows[-1]),
+        ]
+    t0, t1 = result["destroy_mono_s"]
+    half = windows[-1]["live"] / 2
+    mid = (t0 + t1) / 2
+    w = {"live": windows[-1]["live"], "create_per_s": result.get("destroy_per_s")}
+    return [("first-half", t0, mid, int(half), w), ("second-half", mid, t1, int(half), w)]
+
+
+def analyse(out: Path, top: int, phase: str = "create") -> str:
+    result = json.loads((out / "result.json").read_text().strip().splitlines()[-1])
     parent, names = _tasks(out)
     root = int((out / "bench.pid").read_text())
     per: dict[str, dict] = {}
-    for label, w in picks:
-        t0, t1 = w["mono_s"]
-        creates = w["live"] - (windows[windows.index(w) - 1]["live"] if windows.index(w) else 0)
+    cuts = _cuts(result, phase)
+    for label, t0, t1, ops, w in cuts:
         groups: collections.Counter[str] = collections.Counter()
         incl: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         leaf: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -194,40 +222,50 @@ def analyse(out: Path, top: int) -> str:
             for s in set(stack):
                 incl[key][s] += 1
         per[label] = {
-            "creates": creates,
+            "creates": ops,
             "wall_s": t1 - t0,
             "groups": groups,
             "incl": incl,
             "leaf": leaf,
             "live": w["live"],
-            "cpu": w.get("cpu_ms_per_create"),
-            "rate": w.get("create_per_s"),
+            "cpu": w.get("cpu_ms_per_create") if phase == "create" else None,
+            "rate": w.get("create_per_s") if phase != "exec" else w.get("exec_p50_ms"),
         }
+    a_label, b_label = cuts[0][0], cuts[1][0]
     ms = lambda n, label: 1000.0 * n / FREQ / max(per[label]["creates"], 1)  # noqa: E731
-    lines = [f"load average (before, after): {(out / 'load.txt').read_text().split()[:3]}"]
-    for label in ("first", "last"):
+    load = (out / "load.txt").read_text().split()
+    lines = [f"load average (before, after): {load[:3]}, {load[5:8]}; phase {phase}"]
+    unit = {"create": "create", "exec": "exec", "destroy": "destroy"}[phase]
+    for label in (a_label, b_label):
         p = per[label]
+        rate = f"p50 {p['rate']} ms" if phase == "exec" else f"{p['rate']}/s"
         lines.append(
-            f"{label} window: live {p['live']}, {p['creates']} creates in {p['wall_s']:.1f}s "
-            f"({p['rate']}/s), bench CpuMeter {p['cpu']}"
+            f"{label}: live {p['live']}, {p['creates']} {unit}s in {p['wall_s']:.1f}s "
+            f"({rate}), bench CpuMeter {p['cpu']}"
         )
         lines.append(
-            "  ms CPU per create by group: "
+            f"  ms CPU per {unit} by group: "
             + ", ".join(f"{g} {ms(n, label):.2f}" for g, n in sorted(p["groups"].items()))
         )
     for key in ("ours", "kthread"):
         for kind in ("incl", "leaf"):
-            a, b = per["first"][kind][key], per["last"][kind][key]
+            a, b = per[a_label][kind][key], per[b_label][kind][key]
             syms = set(a) | set(b)
-            rows = sorted(syms, key=lambda s: ms(b[s], "last") - ms(a[s], "first"), reverse=True)
-            lines.append(f"\n{key}: {kind} ms per create, first -> last (top growth)")
+            if phase == "destroy":  # one phase in two halves: the biggest, not the growth
+                order = lambda s: ms(a[s], a_label) + ms(b[s], b_label)  # noqa: E731
+                what = "top total"
+            else:
+                order = lambda s: ms(b[s], b_label) - ms(a[s], a_label)  # noqa: E731
+                what = "top growth"
+            rows = sorted(syms, key=order, reverse=True)
+            lines.append(f"\n{key}: {kind} ms per {unit}, {a_label} -> {b_label} ({what})")
             for s in rows[:top]:
                 lines.append(
-                    f"  {ms(a[s], 'first'):7.3f} -> {ms(b[s], 'last'):7.3f}  "
-                    f"(+{ms(b[s], 'last') - ms(a[s], 'first'):.3f})  {s}"
+                    f"  {ms(a[s], a_label):7.3f} -> {ms(b[s], b_label):7.3f}  "
+                    f"(+{ms(b[s], b_label) - ms(a[s], a_label):.3f})  {s}"
                 )
     text = "\n".join(lines) + "\n"
-    (out / "report.txt").write_text(text)
+    (out / f"report-{phase}.txt").write_text(text)
     return text
 
 
@@ -241,13 +279,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/corral-profile"))
     ap.add_argument("--report", type=Path, help="only analyse an earlier --out")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--phase",
+        choices=("create", "exec", "destroy"),
+        default="create",
+        help="what to cut out: the first/last window's creates, the exec probes at one and "
+        "at all sandboxes alive, or the destroy of all (its two halves)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (the bench node and perf -a need it)")
     out = args.report or args.out
     if args.report is None:
         run(args, out)
-    print(analyse(out, args.top))
+    print(analyse(out, args.top, args.phase))
 
 
 if __name__ == "__main__":

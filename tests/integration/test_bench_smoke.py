@@ -57,3 +57,19 @@ def test_exec_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     _figures(out["corral"], ("p50_ms", "p99_ms"))
     assert out["corral"]["n"] == 5
     assert out["docker"] is None
+
+
+def test_scale_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    out = bench("scale", "--count", "4", "--window", "2")
+    assert out["scenario"] == "scale" and out["count"] == 4
+    assert [w["live"] for w in out["windows"]] == [2, 4]
+    _figures(out, ("exec_p50_ms_empty", "exec_p50_ms_full", "destroy_per_s"))
+    assert out["create_errors"] == 0 and out["destroy_errors"] == 0
+    assert out["leftovers"] == 0, out.get("leftover_detail")
+    # The spans tools/profile_scale.py cuts its samples by, in order.
+    spans = [out["exec_empty_mono_s"]]
+    for w in out["windows"]:
+        spans += [w["mono_s"], w["exec_mono_s"]]
+    spans.append(out["destroy_mono_s"])
+    flat = [t for span in spans for t in span]
+    assert flat == sorted(flat), spans

@@ -64,17 +64,22 @@ async def scale(
         return out
 
 
-async def _exec_p50(sbs: list[Sandbox]) -> float | None:
-    """p50 of ``exec true`` over up to EXEC_SAMPLES sandboxes spread evenly over ``sbs``."""
+async def _exec_p50(sbs: list[Sandbox], w: dict[str, Any]) -> None:
+    """p50 of ``exec true`` over up to EXEC_SAMPLES sandboxes spread evenly over ``sbs``,
+    into ``w["exec_p50_ms"]``, and the probes' CLOCK_MONOTONIC span (``exec_mono_s``: a
+    profiler cuts its samples to the execs by it)."""
     if not sbs:
-        return None
+        w["exec_p50_ms"] = None
+        return
     n = min(EXEC_SAMPLES, len(sbs))
     step = len(sbs) / n
     picked = [sbs[int(i * step)] for i in range(n)]
+    t0 = time.monotonic()
     t = await many(n, 1, lambda i: _true(picked[i]))
+    w["exec_mono_s"] = [round(t0, 3), round(time.monotonic(), 3)]
     if not t.latencies:
         raise CorralError(f"every exec failed; first error: {t.errors[:1]}")
-    return float(summary_ms(t.latencies)["p50_ms"])
+    w["exec_p50_ms"] = float(summary_ms(t.latencies)["p50_ms"])
 
 
 async def _run(
@@ -88,7 +93,9 @@ async def _run(
         sbs: list[Sandbox] = []
         try:
             first = await client.sandboxes.create(image=img, labels={"corral-bench": "scale"})
+            t0 = time.monotonic()
             t = await many(EXEC_SAMPLES, 1, lambda i: _true(first))
+            res["exec_empty_mono_s"] = [round(t0, 3), round(time.monotonic(), 3)]
             res["exec_p50_ms_empty"] = summary_ms(t.latencies)["p50_ms"]
             await first.destroy()
             errors = 0
@@ -105,11 +112,12 @@ async def _run(
                     "live": len(sbs),
                     "create_per_s": rate(n - len(made.errors), made.wall),
                     "cpu_ms_per_create": cpu.per_op(n - len(made.errors)),
-                    "exec_p50_ms": await _exec_p50(sbs),
+                    "exec_p50_ms": None,  # filled in by _exec_p50 below
                     # CLOCK_MONOTONIC of the creates (not the execs): a profiler's samples
                     # (`perf record -k CLOCK_MONOTONIC`) are cut to one window by these.
                     "mono_s": [round(t0, 3), round(t1, 3)],
                 }
+                await _exec_p50(sbs, w)
                 windows.append(w)
                 say(
                     f"scale: {w['live']} live, window {len(windows)}: "
