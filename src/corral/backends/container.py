@@ -75,6 +75,17 @@ _MIN_SCRATCH_ROOM = 8 << 20
 """Free scratch space below which a create is refused: a sandbox that starts with no room
 for its first writes fails at them instead, far from the cause. crun met this by its bundle
 write failing; the launcher writes no file there, so it is checked."""
+_ROOT_OPTIONS = ("volatile",)
+"""Overlay options of every sandbox rootfs. ``volatile``: the overlay never syncs its
+upper. Without it, the unmount at a sandbox's end (the last task's exit, or the host
+umount) ran ``sync_filesystem`` on the whole btrfs scratch, a transaction commit each,
+and concurrent destroys queued behind each other's commits (design notes, "Destroy at
+density"); a guest's fsync likewise committed every sandbox's dirty data. Nothing needs
+a sandbox's writes to survive a host crash (its processes do not either, and gc removes
+what is left); snapshots and forks get their data from btrfs's snapshot, which writes
+out the subvolume's dirty data itself. The kernel marks the work dir
+(``work/work/incompat/volatile``) so that the upper is never mounted again: corral
+never remounts one (a fork base gets a new work dir, :func:`_reset_base`)."""
 
 
 class ContainerBackend:
@@ -482,13 +493,13 @@ class ContainerBackend:
             # namespace only; the host's mount table never holds it (design notes,
             # "Density"). Our fd goes once the launch is over (_create).
             made.root_fd = mounts.overlay_fd(
-                list(reversed(lowers)), upper, work, what=f"{sandbox_id} rootfs"
+                list(reversed(lowers)), upper, work, _ROOT_OPTIONS, what=f"{sandbox_id} rootfs"
             )
             undo.append(made.close_root)
         else:
             root = self.rootfs(sandbox_id)
             root.mkdir(exist_ok=base is not None)
-            mounts.mount_overlay(list(reversed(lowers)), upper, work, root)
+            mounts.mount_overlay(list(reversed(lowers)), upper, work, root, _ROOT_OPTIONS)
             undo.append(lambda: mounts.umount(root, detach=True))
 
     async def _run_oci(
