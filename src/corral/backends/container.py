@@ -157,6 +157,7 @@ class ContainerBackend:
                     close()
             raise
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.ctl_dir.mkdir(mode=0o700, exist_ok=True)
         self._started = True
 
     def _pick_runtime(self) -> OCIRuntime | Launcher:
@@ -235,6 +236,10 @@ class ContainerBackend:
             if name not in live and name.startswith("sb-"):
                 self.scratch.delete_subvol(name)
                 removed["subvols"] += 1
+        if self.ctl_dir.exists():
+            for sock in self.ctl_dir.iterdir():
+                if sock.name.endswith(".sock") and sock.name[: -len(".sock")] not in live:
+                    sock.unlink(missing_ok=True)
         if self.sandboxes_dir.exists():
             for d in self.sandboxes_dir.iterdir():
                 if d.name not in live and d.name.startswith("sb-"):
@@ -276,13 +281,35 @@ class ContainerBackend:
     def rootfs(self, sandbox_id: str) -> Path:
         return self.dir(sandbox_id) / "rootfs"
 
+    @property
+    def ctl_dir(self) -> Path:
+        """The control sockets of all sandboxes, in one directory of the scratch's top
+        subvolume (not each in its sandbox's subvolume, as before).
+
+        Why: the kernel finds the socket a ``connect`` names in one global table of 256
+        buckets hashed by the socket file's inode number (``unix_find_socket_byinode``),
+        and every new btrfs subvolume numbers its inodes from the same start, so every
+        sandbox's ``ctl.sock`` had the same inode number (266): all sockets in one bucket,
+        and every exec, ping and init call walked a list of every live sandbox (design
+        notes, "Exec at density"). Here inode numbers differ, so they spread over the
+        buckets."""
+        return self.sandboxes_dir / ".ctl"
+
     def socket_path(self, sandbox_id: str) -> Path:
-        return self.dir(sandbox_id) / "ctl.sock"
+        """Where a new sandbox's control socket is bound."""
+        return self.ctl_dir / f"{sandbox_id}.sock"
+
+    def _agent_path(self, sandbox_id: str) -> Path:
+        """The control socket to connect to: a sandbox adopted from a node before
+        :attr:`ctl_dir` still has its socket in its own dir."""
+        p = self.socket_path(sandbox_id)
+        old = self.dir(sandbox_id) / "ctl.sock"
+        return old if not p.exists() and old.exists() else p
 
     def agent(self, sandbox_id: str) -> InitClient:
         c = self._clients.get(sandbox_id)
         if c is None:
-            c = self._clients[sandbox_id] = InitClient(self.socket_path(sandbox_id))
+            c = self._clients[sandbox_id] = InitClient(self._agent_path(sandbox_id))
         return c
 
     def files(self, sandbox_id: str) -> SandboxFS:
@@ -425,6 +452,7 @@ class ContainerBackend:
         sock_path = self.socket_path(sandbox_id)
         made.lsock = lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         lsock.bind(str(sock_path))
+        undo.append(lambda: sock_path.unlink(missing_ok=True))
         os.chmod(sock_path, 0o600)
         lsock.listen(64)
         if cgroup is None:
@@ -812,6 +840,7 @@ class ContainerBackend:
             ("userns file", lambda: drop_file(d / "userns")),
             ("writable layer", lambda: self.scratch.delete_subvol(sandbox_id)),
             ("dir", lambda: remove_sandbox_dir(d)),
+            ("control socket", lambda: self.socket_path(sandbox_id).unlink(missing_ok=True)),
         ]
         for what, fn in steps:
             try:
