@@ -233,3 +233,19 @@ async def test_busybox_image(client):
     async with await client.sandboxes.create(image="test/busybox", limits=SMALL) as sb:
         r = await sb.exec(["sh", "-c", "echo $((6*7)); id -un"], user="alice")
         assert r.stdout == b"42\nalice\n"
+
+
+async def test_control_sockets_have_distinct_inodes(client, node):
+    """The kernel finds a unix socket by its file's inode number (one global table of 256
+    buckets): sockets sharing one number, as each in its own fresh btrfs subvolume did,
+    made every connect walk all live sandboxes'. They are distinct, and go at destroy."""
+    backend = node.backends.get("container")
+    sbs = [await client.sandboxes.create(image="test/debian", limits=SMALL) for _ in range(3)]
+    try:
+        paths = [backend.socket_path(sb.id) for sb in sbs]
+        assert len({os.stat(p).st_ino for p in paths}) == 3
+        assert (await sbs[0].exec(["true"])).exit_code == 0
+    finally:
+        for sb in sbs:
+            await sb.destroy()
+    assert not any(p.exists() for p in paths)
