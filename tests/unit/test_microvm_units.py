@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from pathlib import Path
+from typing import Any
 
 from corral.backends.microvm import guest, qemu
 from corral.backends.microvm.vmux import HostMux
@@ -104,16 +105,22 @@ def test_module_order_puts_dependencies_first(tmp_path: Path) -> None:
     ]
 
 
-def test_vm_argv_layers_read_only_and_disk_serials(tmp_path: Path) -> None:
-    f = qemu.VMFiles(
+def _files(tmp_path: Path, layers: list[Path], **kw: Any) -> qemu.VMFiles:
+    """A VM's files, all under ``tmp_path`` (the argv tests only read their names)."""
+    return qemu.VMFiles(
         kernel=tmp_path / "k",
         initrd=tmp_path / "i",
-        layers=[tmp_path / "l0.erofs", tmp_path / "l1.erofs"],
+        layers=layers,
         disk=tmp_path / "disk.img",
         console=tmp_path / "c.log",
         vm_sock=tmp_path / "vm.sock",
         pidfile=tmp_path / "vmm.pid",
+        **kw,
     )
+
+
+def test_vm_argv_layers_read_only_and_disk_serials(tmp_path: Path) -> None:
+    f = _files(tmp_path, [tmp_path / "l0.erofs", tmp_path / "l1.erofs"])
     argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas="999:999")
     text = " ".join(argv)
     assert "corral.layers=2" in text
@@ -190,16 +197,7 @@ def test_vm_argv_with_dax_maps_layers_and_has_no_layer_disks(tmp_path: Path) -> 
 
     layer = tmp_path / "l0.erofs"
     plan = dax.plan([(layer, 8192)], 256, 1 << 20)
-    f = qemu.VMFiles(
-        kernel=tmp_path / "k",
-        initrd=tmp_path / "i",
-        layers=[layer],
-        disk=tmp_path / "disk.img",
-        console=tmp_path / "c.log",
-        vm_sock=tmp_path / "vm.sock",
-        pidfile=tmp_path / "vmm.pid",
-        dax=plan,
-    )
+    f = _files(tmp_path, [layer], dax=plan)
     argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas="999:999")
     text = " ".join(argv)
     assert "microvm,isa-serial=on,pcie=on" in argv
@@ -211,15 +209,7 @@ def test_vm_argv_with_dax_maps_layers_and_has_no_layer_disks(tmp_path: Path) -> 
 def test_vm_argv_returns_freed_pages_and_sizes_the_translation_cache(tmp_path: Path) -> None:
     """Every microVM has a balloon device with free page reporting (the guest's freed
     memory goes back to the host) and TCG's translation cache at the size asked."""
-    f = qemu.VMFiles(
-        kernel=tmp_path / "k",
-        initrd=tmp_path / "i",
-        layers=[],
-        disk=tmp_path / "disk.img",
-        console=tmp_path / "c.log",
-        vm_sock=tmp_path / "vm.sock",
-        pidfile=tmp_path / "vmm.pid",
-    )
+    f = _files(tmp_path, [])
     argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tb_mib=12)
     assert "virtio-balloon-device,free-page-reporting=on" in argv
     assert argv[argv.index("-accel") + 1] == "tcg,tb-size=12"
@@ -286,15 +276,7 @@ def test_vmm_files_and_charge_to_node(tmp_path: Path) -> None:
 def test_vm_argv_skips_the_guest_tracefs_unless_asked(tmp_path: Path) -> None:
     """The guest kernel builds no tracefs by default (its pinned slab per VM); asked for,
     the kernel command line is left alone."""
-    f = qemu.VMFiles(
-        kernel=tmp_path / "k",
-        initrd=tmp_path / "i",
-        layers=[],
-        disk=tmp_path / "disk.img",
-        console=tmp_path / "c.log",
-        vm_sock=tmp_path / "vm.sock",
-        pidfile=tmp_path / "vmm.pid",
-    )
+    f = _files(tmp_path, [])
     off = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None)
     assert "initcall_blacklist=tracer_init_tracefs" in off[off.index("-append") + 1]
     on = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tracefs=True)
