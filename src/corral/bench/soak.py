@@ -56,9 +56,18 @@ def _db_bytes(state_dir: Path) -> int:
 def _threads() -> int:
     """Threads of this process but the event loop's executor pool, which grows to its
     bound (to_thread) when busy and is no leak."""
-    # Bounded pools that start their threads on demand (the pauser's reclaim pool, up to
-    # 4) grow when a later pause overlaps another: growth, not a leak.
-    bounded = ("asyncio_", "corral-reclaim")
+    # Bounded pools that start their threads on demand grow when later work overlaps more
+    # than the first tenth's did: growth, not a leak. The pauser's reclaim pool (up to 4),
+    # the store's I/O workers (each create's image lookup is one since it left the event
+    # loop, so concurrent creates can add one late), the hot-block readers and the exec
+    # output readers.
+    bounded = (
+        "asyncio_",
+        "corral-reclaim",
+        "corral-store-io",
+        "corral-hotblocks",
+        "corral-exec-read",
+    )
     return sum(1 for t in threading.enumerate() if not t.name.startswith(bounded))
 
 
