@@ -53,6 +53,7 @@ from corral.backends.files import SandboxFS
 from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
 from corral.host import initfs, launch, mounts
+from corral.host._aio import fd_ready
 from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
@@ -754,7 +755,7 @@ class ContainerBackend:
                     # instead of reading cgroup.procs every 2 ms meanwhile (a best-effort
                     # sandbox's tasks exit on idle CPU only: under load, seconds of polls,
                     # most of a destroy's CPU).
-                    await _readable(fd, deadline - loop.time())
+                    await fd_ready(fd, timeout=deadline - loop.time())
                 finally:
                     os.close(fd)
         while True:
@@ -996,25 +997,6 @@ def _pidfd_kill(
         if not (keep and sent):
             os.close(fd)
     return fd if keep and sent else None
-
-
-async def _readable(fd: int, timeout: float) -> None:
-    """Wait until ``fd`` (a pidfd: its process exited) is readable, at most ``timeout``."""
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(fd, wake)
-    try:
-        async with asyncio.timeout(max(timeout, 0.0)):
-            await ready
-    except TimeoutError:
-        pass
-    finally:
-        loop.remove_reader(fd)
 
 
 class _Made:

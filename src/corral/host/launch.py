@@ -44,6 +44,7 @@ from typing import Any
 
 from corral.errors import HostError
 from corral.host import cbuild, mounts, spawnd
+from corral.host._aio import reap
 from corral.host.cgroups import Cgroups
 from corral.host.runtime import _TMPFS_MAGIC, _fs_type
 from corral.host.seccomp_bpf import compile_profile, filter_flags
@@ -643,7 +644,7 @@ class Launcher:
                 job = asyncio.ensure_future(server.wait(await server.submit(argv[1:], sent)))
             else:
                 pid = _spawn(argv, ctl_fd, rep_w, bpf_fd, rootfs_fd, template)
-                job = asyncio.ensure_future(_wait(pid))
+                job = asyncio.ensure_future(reap(pid))
         except BaseException:
             os.close(rep_r)
             os.close(rep_w)
@@ -789,26 +790,6 @@ def _spawn(
         for d in dups:
             if d >= 0:
                 os.close(d)
-
-
-async def _wait(pid: int) -> int:
-    loop = asyncio.get_running_loop()
-    pidfd = os.pidfd_open(pid)
-    done: asyncio.Future[int] = loop.create_future()
-
-    def reap() -> None:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        try:
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            code = -1
-        if not done.done():
-            done.set_result(code)
-
-    loop.add_reader(pidfd, reap)
-    return await asyncio.shield(done)
 
 
 async def _outlive_cancel(job: asyncio.Future[int]) -> int:

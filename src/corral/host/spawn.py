@@ -19,13 +19,13 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from corral.errors import HostError
+from corral.host._aio import reap
 from corral.host.cbuild import build_static
 
 __all__ = ["SOURCE", "ensure_built", "helper_argv", "sealed_copy", "spawn_helper"]
@@ -362,7 +362,6 @@ async def spawn_helper(
     child is still reaped when it exits.
     ``rlimits``: (resource, soft, hard) set before the exec (the helper's ``-R``).
     """
-    loop = asyncio.get_running_loop()
     actions = [
         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
         (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
@@ -393,25 +392,5 @@ async def spawn_helper(
     finally:
         for d in dups:
             os.close(d)
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        # Cannot watch it (kernel before 5.3): wait in a thread instead.
-        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    done: asyncio.Future[int] = loop.create_future()
-
-    def reap() -> None:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        try:
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:  # reaped by someone else's waitpid(-1): status unknown
-            code = 0
-        if not done.done():
-            done.set_result(code)
-
-    loop.add_reader(pidfd, reap)
-    # shield: cancelling the caller must not cancel the reaping (the reader callback does it).
-    return await asyncio.shield(done)
+    # 0 if someone else's waitpid(-1) reaped it first: its status is unknown
+    return await reap(pid, unknown=0)

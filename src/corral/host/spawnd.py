@@ -35,6 +35,7 @@ from pathlib import Path
 
 from corral.errors import HostError
 from corral.host import cbuild
+from corral.host._aio import fd_ready
 
 __all__ = ["SOURCE", "SpawnServer", "cpu_seconds", "ensure_built"]
 
@@ -148,7 +149,7 @@ class SpawnServer:
                     self._sock.sendmsg([msg], anc)
                     return
                 except BlockingIOError:
-                    await _ready(self._sock.fileno(), write=True)
+                    await fd_ready(self._sock.fileno(), write=True)
 
     async def run(self, args: Sequence[str], fds: Mapping[int, int]) -> int:
         """:meth:`submit` then :meth:`wait`."""
@@ -205,7 +206,7 @@ class SpawnServer:
             if out == b"P":
                 out, _ = await _recv(reply)
                 if not out and pidfd >= 0:
-                    await _ready(pidfd)  # the launcher's end (the server's is known)
+                    await fd_ready(pidfd)  # the launcher's end (the server's is known)
             if not out:
                 raise HostError("spawnd: the spawn server died before the launcher finished")
         finally:
@@ -220,33 +221,18 @@ class SpawnServer:
         raise HostError(f"spawnd: {text.removeprefix('E ')}")
 
 
-async def _ready(fd: int, write: bool = False) -> None:
-    """Wait until ``fd`` is readable (a pidfd: its process has ended) or writable."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    remove = loop.remove_writer if write else loop.remove_reader
-
-    def ready() -> None:
-        remove(fd)
-        if not done.done():
-            done.set_result(None)
-
-    (loop.add_writer if write else loop.add_reader)(fd, ready)
-    try:
-        await asyncio.shield(done)
-    except asyncio.CancelledError:
-        remove(fd)
-        raise
-
-
 async def _recv(sock: socket.socket) -> tuple[bytes, int]:
     """One message from ``sock`` (b"" at EOF) and the fd it carried (-1: none; the caller
     closes it), waiting on the event loop."""
-    await _ready(sock.fileno())
-    try:
-        data, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), _RECV_FLAGS)
-    except OSError:
-        return b"", -1
+    while True:
+        await fd_ready(sock.fileno())
+        try:
+            data, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), _RECV_FLAGS)
+            break
+        except (BlockingIOError, InterruptedError):  # woken with nothing to read yet
+            continue
+        except OSError:  # the server's end is gone
+            return b"", -1
     fds = array.array("i")
     for level, kind, blob in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
