@@ -580,6 +580,57 @@ def test_layer_mounts_take_the_lease_beside_the_verification_and_before_the_moun
             mounts.umount(m)
 
 
+def test_layer_mounts_linger_after_the_last_user_then_sweep(root: Path) -> None:
+    """With ``linger``, the last release keeps the layer mounted and leased; an acquire
+    meanwhile takes it without verifying or mounting again; a sweep before the linger is
+    up keeps it, one after unmounts it and drops the lease; unmount_all takes lingering
+    layers too."""
+    digest, other = ("sha256:" + c * 64 for c in "de")
+    image = make_layer(root, "linger", {"etc/l": "l"})
+    verified: list[str] = []
+    events: list[tuple[str, str]] = []
+
+    class Leases:
+        def take(self, d: str) -> None:
+            events.append(("take", d))
+
+        def drop(self, d: str) -> None:
+            events.append(("drop", d))
+
+    lm = LayerMounts(
+        root / "linger-mnt",
+        lambda d: image,
+        verified.append,
+        None,
+        leases=Leases(),  # type: ignore[arg-type]
+        linger=30.0,
+    )
+    try:
+        p = lm.acquire(digest)
+        lm.release(digest)
+        released = time.monotonic()
+        assert lm.mounted() == {} and lm.lingering() == [digest]
+        assert mounts.is_mountpoint(p) and events == [("take", digest)]
+        assert lm.acquire(digest) == p  # taken back: no verify, no mount, no new lease
+        assert verified == [digest] and events == [("take", digest)]
+        assert lm.mounted() == {digest: 1} and lm.lingering() == []
+        lm.release(digest)
+        assert lm.sweep(now=released + 29.0) == []  # within the linger (of either release)
+        assert mounts.is_mountpoint(p)
+        assert lm.sweep(now=time.monotonic() + 30.0) == [digest]
+        assert lm.lingering() == [] and not mounts.is_mountpoint(p)
+        assert events == [("take", digest), ("drop", digest)]
+        assert lm.acquire(digest) == p and verified == [digest, digest]  # mounted afresh
+        lm.release(digest)
+        q = lm.acquire(other)
+        lm.unmount_all()  # node shutdown: the lingering and the used alike
+        assert not mounts.is_mountpoint(p) and not mounts.is_mountpoint(q)
+        assert lm.lingering() == [] and lm.mounted() == {}
+    finally:
+        for m in mounts.mounts_under(root):
+            mounts.umount(m)
+
+
 def test_layer_mounts_refcount_and_adopt(root: Path, userns: UserNamespace) -> None:
     imgs = {
         "sha256:" + "a" * 64: make_layer(root, "a", {"etc/a": "a"}),

@@ -120,7 +120,17 @@ async def test_two_nodes_create_from_the_shared_store(nodes, moose) -> None:  # 
     finally:
         await a.sandbox_destroy(sa.id)
         await b.sandbox_destroy(sb.id)
+    # Unused, each node's mount lingers (layer_linger), still leased; a sweep past the
+    # linger unmounts it and drops the lease.
+    assert Leases.holders_of(a.store.root, layer) == sorted(f"node-{n.node_id}" for n in (a, b))
+    await _sweep(a, b)
     assert Leases.holders_of(a.store.root, layer) == []
+
+
+async def _sweep(*nodes: Node) -> None:
+    """Unmount every node's lingering layers now, as their sweeper will after the linger."""
+    for n in nodes:
+        await asyncio.to_thread(n.backend.layers.sweep, time.monotonic() + n.config.layer_linger)
 
 
 async def test_snapshot_on_one_node_restores_on_the_other_and_gc_keeps_it(nodes) -> None:  # type: ignore[no-untyped-def]
@@ -144,6 +154,9 @@ async def test_snapshot_on_one_node_restores_on_the_other_and_gc_keeps_it(nodes)
         assert await sh(b, restored.id, "cat /work/state") == "snapped\n"
     finally:
         await b.sandbox_destroy(restored.id)
+    # b's mount lingers, leased: gc keeps the layer until b's sweep drops it.
+    assert layer not in a.store.gc(grace=0).removed
+    await _sweep(a, b)
     # Nobody uses it any more: the next gc removes it (and nothing an image names).
     report = a.store.gc(grace=0)
     assert layer in report.removed

@@ -178,6 +178,8 @@ class HostContext:
     """Benchmark baseline: copy each layer to node-local disk before its first use."""
     layer_prefetch: bool = True
     """Prefetch and record layers' hot blocks (images/hotblocks.py)."""
+    layer_linger: float = 0.0
+    """Seconds an unused layer stays mounted (images/mounts.py, ``linger``)."""
 
 
 T = TypeVar("T")

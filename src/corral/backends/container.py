@@ -118,6 +118,7 @@ class ContainerBackend:
         self._fs: dict[str, SandboxFS] = {}
         self._seccomp_bpf: dict[str, str] = {}
         self._adopted_layers: dict[str, int] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self._started = False
 
     # ------------------------------------------------------------------ node-wide
@@ -148,6 +149,7 @@ class ContainerBackend:
                 self.userns,
                 leases=ctx.store.leases(f"node-{ctx.node_id}"),
                 hot=HotBlocks(ctx.store) if ctx.layer_prefetch else None,
+                linger=ctx.layer_linger,
             )
             # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
             self.owners = OwnerUids(self._owner_first, self.config.owner_uids)
@@ -159,7 +161,26 @@ class ContainerBackend:
             raise
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.ctl_dir.mkdir(mode=0o700, exist_ok=True)
+        if self.layers.linger > 0:
+            self._sweeper = asyncio.ensure_future(self._sweep_layers())
         self._started = True
+
+    async def _sweep_layers(self) -> None:
+        """Unmount layers unused for ``layer_linger`` seconds, checking a few times per
+        linger (so one goes between 1 and 1.25 lingers after its last sandbox)."""
+        period = max(self.layers.linger / 4, 0.25)
+        while True:
+            await asyncio.sleep(period)
+            if not self.layers.lingering():
+                continue
+            job = asyncio.ensure_future(asyncio.to_thread(self.layers.sweep))
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:  # stop(): let the unmounts under way finish first
+                await asyncio.wait([job])
+                raise
+            except (HostError, OSError) as e:  # tried again next time; the node runs on
+                log.warning("layer sweep: %s", e)
 
     def _pick_runtime(self) -> OCIRuntime | Launcher:
         """corral's launcher where the kernel has what it needs (``auto``) or when asked
@@ -196,6 +217,11 @@ class ContainerBackend:
         if not self._started:
             return
         self._started = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         try:
             if not keep_running:
                 await asyncio.to_thread(self._teardown)
@@ -404,7 +430,7 @@ class ContainerBackend:
         each in a thread (off the event loop), so its first create waits about one first
         mount, not one per layer. If one fails or the create is cancelled meanwhile, every
         acquire still completes and the ones that succeeded are recorded for undo."""
-        mounted = self.layers.mounted()
+        mounted = {*self.layers.mounted(), *self.layers.lingering()}
         jobs: dict[str, asyncio.Future[Path]] = {
             d: asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, d))
             for d in dict.fromkeys(image.layers)

@@ -17,6 +17,14 @@ and once the first sandbox using the layer is up (the backend says so through
 in the background, the parts of the layer file that sandboxes read on the node that
 recorded it; when a sandbox using a layer without a profile goes, its reads are recorded.
 
+With ``linger`` (seconds), a layer whose last sandbox went stays mounted (and leased) that
+long: an RL loop that destroys a sandbox and creates the next from the same image, or a
+burst after a quiet spell, then takes the mounted layer instead of verifying (reading the
+whole file, over the network on a shared store) and mounting it again. :meth:`sweep`
+unmounts the layers idle past ``linger``; the backend calls it periodically. A lingering
+layer is not in :meth:`mounted` (no sandbox uses it) but its lease keeps store gc off it
+until it is swept.
+
 Example::
 
     layers = LayerMounts(Path("/run/corral/layers"), store.path_of, store.verify, userns,
@@ -24,11 +32,13 @@ Example::
     lower = layers.acquire("sha256:ab12...")    # mounts on first use
     ...                                          # overlay over ``lower``
     layers.release("sha256:ab12...")            # unmounted when the last user goes
+                                                 # (or ``linger`` seconds later)
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,6 +71,7 @@ class LayerMounts:
         *,
         leases: Leases | None = None,
         hot: HotBlocks | None = None,
+        linger: float = 0.0,
     ) -> None:
         self.mount_root = Path(mount_root)
         self.raw_root = self.mount_root / "raw"
@@ -73,6 +84,8 @@ class LayerMounts:
         self._files: dict[str, Path] = {}  # digest -> the layer file mounted (for hot)
         self._lock = threading.Lock()  # guards _counts and _locks
         self._counts: dict[str, int] = {}
+        self.linger = linger
+        self._idle: dict[str, float] = {}  # digest -> monotonic time its last user went
         # One lock per digest, so a slow first mount (verify hashes the whole file)
         # of one layer does not hold up acquires of others.
         self._locks: dict[str, threading.Lock] = {}
@@ -103,6 +116,9 @@ class LayerMounts:
             with self._lock:
                 if self._counts.get(digest, 0) > 0:
                     self._counts[digest] += 1
+                    return self._lower(digest)
+                if self._idle.pop(digest, None) is not None:  # lingering: still mounted
+                    self._counts[digest] = 1
                     return self._lower(digest)
             lease = _Lease(self._leases, digest)  # before the mount: gc never sees it unleased
             try:
@@ -167,14 +183,47 @@ class LayerMounts:
                 self._hot.record(digest, image)  # once per layer on this node
             if n > 1:
                 return
-            self._unmount(raw, idm)
-            if self._hot is not None:
-                self._hot.forget(digest)
-            with self._lock:
-                del self._counts[digest]
-                self._files.pop(digest, None)
-            if self._leases is not None:
-                self._leases.drop(digest)
+            if self.linger > 0:
+                with self._lock:
+                    del self._counts[digest]
+                    self._idle[digest] = time.monotonic()
+                return
+            self._drop(digest)
+
+    def _drop(self, digest: str) -> None:
+        """Unmount a layer no sandbox uses (its digest lock held) and drop its lease."""
+        raw, idm = self._paths(digest)
+        self._unmount(raw, idm)
+        if self._hot is not None:
+            self._hot.forget(digest)
+        with self._lock:
+            self._counts.pop(digest, None)
+            self._files.pop(digest, None)
+        if self._leases is not None:
+            self._leases.drop(digest)
+
+    def lingering(self) -> list[str]:
+        """Digests of the layers still mounted that no sandbox uses (see ``linger``)."""
+        with self._lock:
+            return list(self._idle)
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Unmount the layers no sandbox has used for ``linger`` seconds (as of ``now``, a
+        :func:`time.monotonic` value; default now); returns their digests."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = [d for d, t in self._idle.items() if now - t >= self.linger]
+        gone = []
+        for digest in due:
+            with self._digest_lock(digest):
+                with self._lock:  # taken again meanwhile, or released once more since?
+                    t = self._idle.get(digest)
+                    if t is None or now - t < self.linger:
+                        continue
+                    del self._idle[digest]
+                self._drop(digest)
+                gone.append(digest)
+        return gone
 
     @staticmethod
     def _unmount(raw: Path, idm: Path) -> None:
@@ -212,6 +261,7 @@ class LayerMounts:
                             pass
         with self._lock:
             self._counts = {}
+            self._idle = {}
         if self._leases is not None:
             for digest in self._leases.held():
                 if _hex(digest) not in wanted:
@@ -240,8 +290,9 @@ class LayerMounts:
     def unmount_all(self) -> None:
         """Unmount every layer (node shutdown); refcounts are forgotten."""
         with self._lock:
-            digests = list(self._counts)
+            digests = [*self._counts, *self._idle]
             self._counts = {}
+            self._idle = {}
         for d in digests:
             raw, idm = self._paths(d)
             with self._digest_lock(d):

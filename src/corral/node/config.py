@@ -91,6 +91,11 @@ class NodeConfig(BaseModel):
     once the layer's first sandbox is up, a few large reads in flight, and record them
     for layers without a profile (images/hotblocks.py). On a network store this turns a
     task's page faults, one round trip each, into a few large reads."""
+    layer_linger: float = Field(30.0, ge=0)
+    """Seconds a layer stays mounted on the node after its last sandbox went (0: unmount at
+    once). A create from an image whose layers linger skips their verification (a read of
+    the whole layer file, over the network on a shared store) and mount; meanwhile the
+    node's lease on the store keeps ``corral image gc`` off them."""
     swap: SwapConfig = Field(default_factory=SwapConfig)
     """Swap for paused sandboxes, e.g. ``[node.swap] kind = "file"``, ``size = "8GiB"``."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)
