@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from typing import Any
 
@@ -25,6 +26,11 @@ from corral.errors import HostError
 __all__ = ["Nft", "NftError"]
 
 _OUTPUT_JSON = 1 << 4  # NFT_CTX_OUTPUT_JSON, nftables/libnftables.h
+FD_SETSIZE = 1024
+"""libnftables (1.0.6) waits for the kernel's answer with select() on the netlink socket
+it opens in nft_ctx_new and keeps; with that socket at fd >= FD_SETSIZE, glibc's
+FD_SET check aborts the whole process. A node past ~500 sandboxes holds more fds than
+that, so its context is made at start (node/network.py) and a late one is refused."""
 
 
 class NftError(HostError):
@@ -33,7 +39,10 @@ class NftError(HostError):
 
 class Nft:
     """A libnftables context. Thread-safe (one call at a time); cheap to keep for a node's
-    lifetime: a batch costs one netlink transaction, ~0.1-1 ms here."""
+    lifetime: a batch costs one netlink transaction, ~0.1-1 ms here.
+
+    HostError (never an abort) if the context's socket would sit at or above
+    :data:`FD_SETSIZE`: make it while the process holds fewer fds."""
 
     def __init__(self) -> None:
         try:
@@ -54,9 +63,19 @@ class Nft:
         lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
         lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
         lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        before = set(os.listdir("/proc/self/fd"))
         ctx = lib.nft_ctx_new(0)
         if not ctx:
             raise HostError("libnftables: nft_ctx_new failed")
+        high = [int(f) for f in set(os.listdir("/proc/self/fd")) - before if int(f) >= FD_SETSIZE]
+        if high:
+            lib.nft_ctx_free(ctx)
+            raise HostError(
+                f"libnftables: its netlink socket would be fd {max(high)}, but libnftables "
+                f"select()s on it and aborts the process past fd {FD_SETSIZE - 1}; this "
+                "process holds too many fds to open an nft context now (the node opens its "
+                "context at start)"
+            )
         lib.nft_ctx_buffer_output(ctx)
         lib.nft_ctx_buffer_error(ctx)
         self._lib = lib

@@ -82,6 +82,14 @@ class NodeNetwork:
         self.dir = state_dir / "net"
         self._add_event = add_event
         self._nft: Nft | None = None
+        # The node's one libnftables context, made now while the node holds few fds
+        # (host/nft.py, FD_SETSIZE): a context made after ~500 sandboxes could not be.
+        self._ctx: Nft | None = None
+        if self.enabled:
+            try:
+                self._ctx = Nft()
+            except HostError as e:  # made (or refused, clearly) on first use instead
+                log.warning("network: %s", e.message)
         self._links: Links | None = None
         self._resolver: Resolver | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -137,11 +145,12 @@ class NodeNetwork:
         """Table, gateway device, resolver and denial poller (idempotent)."""
         if self._nft is not None:
             return
-        nft = Nft()
+        nft = self._ctx or Nft()
         try:
             links = await Links.open()
         except BaseException:
-            nft.close()
+            if nft is not self._ctx:
+                nft.close()
             raise
         self._nft, self._links = nft, links
         try:
@@ -184,24 +193,30 @@ class NodeNetwork:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._nft is not None:
+        if self._nft is not None and self._nft is not self._ctx:
             self._nft.close()
-            self._nft = None
+        self._nft = None
 
     async def close(self, keep: bool) -> None:
         """Stop the resolver; with ``keep`` (sandboxes stay running for the next node to
         adopt) leave veths and the table in place, else remove everything."""
         async with self._lock:
-            if self._nft is None and not keep:
-                if self.enabled:  # leftovers of an earlier run; a node without any
-                    await self._teardown_kernel()  # permission never made anything
-                return
-            await self._stop(teardown=not keep)
+            try:
+                if self._nft is None and not keep:
+                    if self.enabled:  # leftovers of an earlier run; a node without any
+                        await self._teardown_kernel()  # permission never made anything
+                    return
+                await self._stop(teardown=not keep)
+            finally:
+                if self._ctx is not None:
+                    self._ctx.close()
+                    self._ctx = None
 
     async def _teardown_kernel(self) -> None:
         """Remove the table, the gateway device and any veth of ours still there."""
-        opened = self._nft is None
-        nft = self._nft or Nft()
+        nft = self._nft or self._ctx or Nft()
+        opened_nft = nft is not self._nft and nft is not self._ctx
+        opened = self._links is None
         links = self._links or await Links.open()
         try:
             with contextlib.suppress(NftError):
@@ -213,8 +228,9 @@ class NodeNetwork:
                 await links.delete(self.dev)
             self._restore_uplinks()
         finally:
-            if opened:
+            if opened_nft:
                 nft.close()
+            if opened:
                 await links.close()
         self._sb.clear()
         self._by_addr.clear()
