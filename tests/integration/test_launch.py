@@ -606,6 +606,41 @@ async def test_no_host_fd_reaches_the_guest(rt_node) -> None:  # type: ignore[no
         _assert_init_fds(rt_node.backends.get("container").init_pid(sid))
 
 
+async def test_idle_init_is_one_task_and_commands_stay_scoped(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """corral-init's landlock spawner thread lives only while guest processes do (an idle
+    sandbox is one task for pivot_root's walk of every host task): none before the first
+    command, one while a command runs, gone once no guest process has been left for a
+    second; and a command after that runs in a fresh scoped domain again (PID 1 cannot be
+    signalled)."""
+    import select
+
+    from corral.host import landlock
+
+    if landlock.abi() < landlock.SCOPED_ABI:
+        pytest.skip("no landlock scoping on this kernel")
+    pidfd_thread = os.O_EXCL  # PIDFD_THREAD (Linux 6.9)
+    async with sandbox(rt_node) as sid:
+        pid = rt_node.backends.get("container").init_pid(sid)
+        assert os.listdir(f"/proc/{pid}/task") == [str(pid)]
+        for _ in range(2):
+            r = await sh(rt_node, sid, "ls /proc/1/task | wc -l; kill -0 1; echo rc=$?")
+            lines = r.stdout.decode().split()
+            assert lines == ["2", "rc=1"], (r.stdout, r.stderr)  # EPERM: scoped
+            p = await rt_node.spawn(sid, ExecRequest(cmd=["sleep", "300"]))
+            (spawner,) = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+            fd = os.pidfd_open(spawner, pidfd_thread)
+            try:
+                assert not select.select([fd], [], [], 0)[0]
+                await rt_node.process_kill(sid, p.id, 9)
+                done = await rt_node.process_get(sid, p.id, wait=60)
+                assert not done.running and done.result is not None, done
+                # a readiness signal, not a timing bound: the thread's pidfd turns readable
+                # when it exits (the 60 s only keep a broken init from hanging the test)
+                assert select.select([fd], [], [], 60)[0], "the spawner outlived the guest"
+            finally:
+                os.close(fd)
+
+
 async def test_spawn_server_restarts_and_goes_with_the_node(images_ready) -> None:  # type: ignore[no-untyped-def]
     """Launches go through corral-spawnd (host/spawnd.py); a server that was killed is
     replaced at the next create, the init gets only the fds a sandbox gets, and closing the

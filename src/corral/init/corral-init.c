@@ -4,8 +4,8 @@
  * Reaper + exec server. The protocol is docs/init-protocol.md (keep the two in step).
  * fd 3 is a listening unix stream socket handed over by `runc run --preserve-fds 1`;
  * the node connects to it by a host path the guest cannot see. One poll() loop, one
- * helper thread (the landlock spawner, below), no allocation beyond what live requests
- * need, so that thousands of these idle in well under a MiB each.
+ * helper thread while guest processes live (the landlock spawner, below), no allocation
+ * beyond what live requests need, so that thousands of these idle in well under a MiB each.
  *
  * Build: gcc -static -O2 -Wall -o corral-init corral-init.c
  */
@@ -49,6 +49,7 @@
 #define DEFAULT_LIMIT (1u << 20)
 #define FINAL_READS 16              /* bounded last drain: a writer may never stop */
 #define TRIM_NS 1000000000ull       /* idle this long: give freed heap back to the kernel */
+#define SPAWNER_IDLE_NS 1000000000ull /* no guest process this long: end the spawner */
 
 extern char **environ;
 
@@ -844,6 +845,13 @@ static void __attribute__((noreturn)) child_main(const struct child_args *a)
  * so one thread of PID 1, the spawner, restricts itself once and forks every guest
  * command, while the main thread stays free. One domain for all commands (not one per
  * command): guest processes of different exec calls may still signal each other.
+ * The spawner lives only while guest processes do: it starts with the first command and
+ * ends once PID 1 has had no child for SPAWNER_IDLE_NS (spawner_idle), which in a pid
+ * namespace means no guest process is left at all (nothing joins it from outside). So an
+ * idle sandbox is one task (pivot_root walks every task on the host at each create), and
+ * everything alive at the same time still shares one domain; a later command gets a fresh
+ * one, which can reach nothing of the ended domain (nothing of it runs; scoping refuses
+ * its sockets).
  * The spawner is a thread of the init process, so what it forks are the init's children:
  * the main thread waits for, signals and reaps them exactly as if it had forked them. Without landlock (old kernel,
  * seccomp) the main thread forks, as before. No filesystem access is handled: what
@@ -865,6 +873,9 @@ struct ll_ruleset_attr {
 
 static int landlock_abi;        /* the kernel's landlock ABI (0: none) */
 static int landlock_on;         /* guest commands run in the scoped domain */
+static int spawner_up;          /* the spawner thread is alive, restricted, and serving */
+static int spawner_broken;      /* its pipes failed: guest commands fail from now on */
+static uint64_t spawner_idle_at; /* the spawner is up and PID 1 had no child left then */
 static int spawn_req[2] = {-1, -1}, spawn_rep[2] = {-1, -1};
 
 static void __attribute__((noreturn)) child_main(const struct child_args *a);
@@ -874,6 +885,8 @@ struct spawn_reply {
 	int err;
 };
 
+/* A request is a child_args pointer; NULL asks the spawner to end: it acknowledges with
+ * a zero reply and returns, so it never takes a request meant for its successor. */
 static void *spawner(void *arg)
 {
 	int rfd = (int)(intptr_t)arg, ok = syscall(__NR_landlock_restrict_self, rfd, 0) == 0;
@@ -885,7 +898,12 @@ static void *spawner(void *arg)
 		const struct child_args *a;
 		if (read(spawn_req[0], &a, sizeof a) != sizeof a)
 			return NULL;
-		struct spawn_reply r;
+		struct spawn_reply r = {0, 0};
+		if (!a) {
+			if (write(spawn_rep[1], &r, sizeof r) != sizeof r)
+				abort(); /* the main thread waits for this reply: never leave it hanging */
+			return NULL;
+		}
 		r.pid = fork();
 		r.err = errno;
 		if (r.pid == 0)
@@ -895,7 +913,8 @@ static void *spawner(void *arg)
 	}
 }
 
-/* Called once before the loop, with SIGCHLD already blocked (the spawner inherits that). */
+/* Called once before the loop: is there landlock scoping to use? The spawner itself starts
+ * with the first guest command (spawner_start), not here: an idle sandbox is one task. */
 static void landlock_start(void)
 {
 	landlock_abi = syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
@@ -904,14 +923,21 @@ static void landlock_start(void)
 			landlock_abi = 0;
 		return;
 	}
+	if (pipe2(spawn_req, O_CLOEXEC) < 0 || pipe2(spawn_rep, O_CLOEXEC) < 0)
+		return;
+	landlock_on = 1;
+}
+
+/* Start the spawner in a new domain; with SIGCHLD blocked (the spawner inherits that).
+ * Returns 0 or an errno: the command then fails, it never runs outside a domain. Only a
+ * kernel that refuses the restriction itself (the same answer every time) turns landlock
+ * off for good, as when it was tried once at start. */
+static int spawner_start(void)
+{
 	struct ll_ruleset_attr attr = {0, 0, LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL};
 	int rfd = syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
 	if (rfd < 0)
-		return;
-	if (pipe2(spawn_req, O_CLOEXEC) < 0 || pipe2(spawn_rep, O_CLOEXEC) < 0) {
-		close(rfd);
-		return;
-	}
+		return errno;
 	pthread_attr_t ta;
 	pthread_t t;
 	sigset_t all, old;
@@ -924,16 +950,70 @@ static void landlock_start(void)
 	int e = pthread_create(&t, &ta, spawner, (void *)(intptr_t)rfd);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	pthread_attr_destroy(&ta);
-	int err = -1;
-	if (e == 0 && read(spawn_rep[0], &err, sizeof err) == sizeof err && err == 0)
-		landlock_on = 1;
-	else if (e != 0)
+	if (e != 0) {
 		close(rfd);
+		return e;
+	}
+	int err = -1;
+	if (read(spawn_rep[0], &err, sizeof err) != sizeof err) {
+		spawner_broken = 1; /* a thread may be left reading: never start a second */
+		return EIO;
+	}
+	if (err != 0) {
+		landlock_on = 0;
+		return 0;
+	}
+	spawner_up = 1;
+	return 0;
+}
+
+/* End the spawner and its domain; the next command gets a new one, shared again by
+ * everything alive with it. Only called with no child left (spawner_idle). */
+static void spawner_stop(void)
+{
+	if (!spawner_up)
+		return;
+	const struct child_args *none = NULL;
+	struct spawn_reply r;
+	spawner_up = 0;
+	if (write(spawn_req[1], &none, sizeof none) != sizeof none ||
+	    read(spawn_rep[0], &r, sizeof r) != sizeof r)
+		spawner_broken = 1; /* never a command outside a domain, nor two spawners */
+}
+
+/* The spawner's end, once SPAWNER_IDLE_NS have passed since PID 1 last had no child
+ * (reap_all): then, and still now (waitid: ECHILD, WNOWAIT so no status is taken), no guest
+ * process is left in the sandbox's pid namespace (every one descends from PID 1 or was
+ * reparented to it; nothing joins it from outside). The delay keeps back-to-back commands
+ * from paying a thread and a domain each. Returns the deadline to wake for (0: none). */
+static uint64_t spawner_idle(uint64_t now)
+{
+	if (!spawner_up || !spawner_idle_at)
+		return 0;
+	uint64_t at = spawner_idle_at + SPAWNER_IDLE_NS;
+	if (now < at)
+		return at;
+	siginfo_t si;
+	spawner_idle_at = 0;
+	if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD)
+		spawner_stop();
+	return 0;
 }
 
 /* fork() for a guest command: in the landlock domain when there is one. */
 static pid_t spawn_child(const struct child_args *a)
 {
+	if (spawner_broken) {
+		errno = EIO;
+		return -1;
+	}
+	if (landlock_on && !spawner_up) {
+		int e = spawner_start();
+		if (e != 0) {
+			errno = e;
+			return -1;
+		}
+	}
 	if (!landlock_on) {
 		pid_t pid = fork();
 		if (pid == 0)
@@ -946,6 +1026,10 @@ static pid_t spawn_child(const struct child_args *a)
 		errno = EIO;
 		return -1;
 	}
+	if (r.pid > 0)
+		spawner_idle_at = 0;
+	else if (!spawner_idle_at)
+		spawner_idle_at = now_ns(); /* perhaps no child at all: spawner_idle checks */
 	errno = r.err;
 	return r.pid;
 }
@@ -1392,6 +1476,8 @@ static void reap_all(uint64_t now)
 	for (;;) {
 		int st;
 		pid_t pid = waitpid(-1, &st, WNOHANG);
+		if (pid < 0 && errno == ECHILD && spawner_up && !spawner_idle_at)
+			spawner_idle_at = now;
 		if (pid <= 0)
 			break;
 		for (proc *p = procs; p; p = p->next) {
@@ -1531,6 +1617,9 @@ static void loop(void)
 				next = d;
 		}
 		uint64_t t = trim_deadline(now);
+		if (t && (!next || t < next))
+			next = t;
+		t = spawner_idle(now);
 		if (t && (!next || t < next))
 			next = t;
 		int timeout = -1;
