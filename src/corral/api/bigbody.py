@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pybase64
 from fastapi.responses import Response, StreamingResponse
 
+from corral.host.sched import bulk_thread
 from corral.spec import ExecResult
 
 __all__ = ["exec_result_response", "exec_result_chunks", "BIG", "SLICE"]
@@ -36,6 +38,13 @@ BIG = 1 << 20
 SLICE = 3 << 20
 """Input bytes per slice (3 MiB in, 4 MiB of base64 out, one worker-thread call): a
 multiple of 3, so the slices' base64 joins without padding."""
+_ENCODERS = 4
+_encoders = ThreadPoolExecutor(
+    _ENCODERS, thread_name_prefix="corral-exec-b64", initializer=bulk_thread
+)
+"""The slices' encoders: threads of their own at nice 19 (host/sched.py), so a flood's
+base64 yields the CPU to the event loop and to other sandboxes' work (in asyncio's default
+pool they took an equal share of it with the loop's thread)."""
 
 
 def exec_result_response(res: ExecResult, status: int = 200) -> Response:
@@ -83,6 +92,9 @@ async def exec_result_chunks(res: ExecResult) -> AsyncIterator[bytes]:
 
 
 async def _b64(data: bytes) -> AsyncIterator[bytes]:
+    loop = asyncio.get_running_loop()
     view = memoryview(data)
     for start in range(0, len(view), SLICE):
-        yield await asyncio.to_thread(pybase64.urlsafe_b64encode, view[start : start + SLICE])
+        yield await loop.run_in_executor(
+            _encoders, pybase64.urlsafe_b64encode, view[start : start + SLICE]
+        )

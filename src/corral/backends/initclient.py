@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 
 from corral.errors import InvalidRequest, ProcessNotFound, SandboxError
+from corral.host.sched import bulk_thread
 
 __all__ = ["InitClient", "InitExit", "InitProc", "ExecStream"]
 
@@ -65,7 +66,11 @@ an hour is an hour; a few of those would otherwise stop every ``to_thread`` of t
 (the answers' base64 among them)."""
 _READER_WAKE = 5.0
 """Seconds a reader thread waits in ``recv`` before it looks whether the loop is gone."""
-_reader_pool = ThreadPoolExecutor(_READERS, thread_name_prefix="corral-exec-read")
+_reader_pool = ThreadPoolExecutor(
+    _READERS, thread_name_prefix="corral-exec-read", initializer=bulk_thread
+)
+"""Nice 19 (host/sched.py, ``bulk_thread``): a flood's reads and joins yield the CPU to the
+event loop and to other sandboxes' work."""
 _readers_busy = 0
 """Readers handed to the pool and not yet done (touched on the loop's thread only)."""
 

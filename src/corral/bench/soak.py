@@ -67,6 +67,7 @@ def _threads() -> int:
         "corral-store-io",
         "corral-hotblocks",
         "corral-exec-read",
+        "corral-exec-b64",
     )
     return sum(1 for t in threading.enumerate() if not t.name.startswith(bounded))
 

@@ -16,14 +16,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
+import threading
 
 from corral.errors import HostError
 from corral.host._sys import errtext, libc
 
-__all__ = ["make_idle", "make_normal", "policy_of", "core_scheduling"]
+__all__ = ["make_idle", "make_normal", "policy_of", "core_scheduling", "bulk_thread", "BULK_NICE"]
 
 _PR_SCHED_CORE = 62
 _PR_SCHED_CORE_GET = 0
@@ -98,6 +100,25 @@ def make_normal(pid: int) -> None:
 def policy_of(pid: int) -> str:
     """``other``, ``batch``, ``idle``, ``fifo`` or ``rr``."""
     return _NAMES.get(os.sched_getscheduler(pid), "unknown")
+
+
+BULK_NICE = 19
+"""Nice of the node's threads that move a sandbox's bulk output (see :func:`bulk_thread`)."""
+
+
+def bulk_thread() -> None:
+    """Lower the calling thread to nice :data:`BULK_NICE` (a thread pool's initializer).
+
+    For the node's threads that copy and encode a sandbox's big outputs: under a flood they
+    yield the CPU to the event loop, the probes' and the other sandboxes' work, instead of
+    taking an equal share of it. Linux's nice is per thread (``setpriority`` on a thread
+    id), so the loop's own thread keeps its priority. Nice, not SCHED_IDLE: these threads
+    take the GIL between their reads, and a thread that holds it while waiting for a CPU
+    holds up the loop; a nice-19 thread still runs ahead of every SCHED_IDLE task (the
+    best-effort sandboxes, the flooding one among them), so that wait stays short. Best
+    effort: a host that refuses leaves the thread as it was."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
 
 
 def core_scheduling() -> tuple[bool, str]:
