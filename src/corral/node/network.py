@@ -84,12 +84,12 @@ class NodeNetwork:
         self._nft: Nft | None = None
         # The node's one libnftables context, made now while the node holds few fds
         # (host/nft.py, FD_SETSIZE): a context made after ~500 sandboxes could not be.
+        # Also without permissions: gc and close remove an earlier run's table with it.
         self._ctx: Nft | None = None
-        if self.enabled:
-            try:
-                self._ctx = Nft()
-            except HostError as e:  # made (or refused, clearly) on first use instead
-                log.warning("network: %s", e.message)
+        try:
+            self._ctx = Nft()
+        except HostError as e:  # made (or refused, clearly) on first use instead
+            log.warning("network: %s", e.message)
         self._links: Links | None = None
         self._resolver: Resolver | None = None
         self._poller: asyncio.Task[None] | None = None
