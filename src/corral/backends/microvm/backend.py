@@ -102,6 +102,9 @@ class MicroVMBackend:
         self.accel = ""
         self.accel_detail = ""
         self.kernel: guest.Kernel | None = None
+        self.boot_kernel: Path | None = None
+        """What QEMU boots: the kernel's uncompressed ELF for a PVH boot where it has one
+        (:func:`.guest.pvh_kernel`), else its bzImage."""
         self.initrd: Path | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.broken = ""
@@ -138,6 +141,8 @@ class MicroVMBackend:
                 )
         init = await asyncio.to_thread(ensure_built, self.ctx.state_dir / "bin")
         self.initrd = await asyncio.to_thread(guest.build_initramfs, self.kernel, init, self._dir)
+        pvh = await asyncio.to_thread(guest.pvh_kernel, self.kernel, self._dir)
+        self.boot_kernel = pvh or self.kernel.vmlinuz
         if self.config.accel != "auto":
             self.accel, self.accel_detail = self.config.accel, "configured"
         else:
@@ -156,6 +161,8 @@ class MicroVMBackend:
         files = hostcache.vmm_files(qemu.QEMU)
         if self.kernel is not None:
             files.append(self.kernel.vmlinuz)
+        if self.boot_kernel is not None and self.boot_kernel not in files:
+            files.append(self.boot_kernel)
         if self.initrd is not None:
             files.append(self.initrd)
         hostcache.charge_to_node(files)
@@ -313,7 +320,7 @@ class MicroVMBackend:
         undo.append(lambda: self.cgroups.remove(sandbox_id))
         undo.append(lambda: self.kill_all(sandbox_id))
         files = qemu.VMFiles(
-            kernel=self.kernel.vmlinuz,
+            kernel=self.boot_kernel or self.kernel.vmlinuz,
             initrd=self.initrd,
             layers=layers,
             disk=d / "disk.img",
@@ -679,7 +686,7 @@ class MicroVMBackend:
         assert self.kernel is not None and self.initrd is not None
         layers = [self.ctx.store.path_of(digest) for digest in image.layers]
         files = qemu.VMFiles(
-            kernel=self.kernel.vmlinuz,
+            kernel=self.boot_kernel or self.kernel.vmlinuz,
             initrd=self.initrd,
             layers=layers,
             disk=d / "disk.img",

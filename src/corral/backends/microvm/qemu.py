@@ -204,9 +204,14 @@ def vm_argv(
 
 
 def devices_as_in(argv: list[str], parent: list[str]) -> list[str]:
-    """``argv`` (a fork child's) without the balloon device if ``parent`` (the command
-    line the migrated state came from) had none: a VM started before free page reporting
-    was added; restoring its state into a machine with an extra device fails."""
+    """``argv`` (a fork child's) with what ``parent`` (the command line the migrated state
+    came from) had where the machine must match it: no balloon device if the parent had
+    none (a VM started before free page reporting was added; restoring its state into a
+    machine with an extra device fails), and the parent's kernel file (a bzImage boot
+    has another option ROM than a PVH boot, and the state names its ROMs)."""
+    argv = list(argv)
+    if "-kernel" in parent and "-kernel" in argv:
+        argv[argv.index("-kernel") + 1] = parent[parent.index("-kernel") + 1]
     if _BALLOON in parent or _BALLOON not in argv:
         return argv
     i = argv.index(_BALLOON)
