@@ -81,8 +81,15 @@ for a in $($B cat /proc/cmdline); do
     corral.layers=*) n=${a#corral.layers=};; corral.probe=1) probe=1;;
     corral.net=*) net=${a#corral.net=};; corral.dns=*) dns=${a#corral.dns=};;
     corral.hostname=*) hn=${a#corral.hostname=};; corral.dax=1) dax=1;;
+    corral.report_order=*) ro=${a#corral.report_order=};;
   esac
 done
+# free page reporting's block order (virtio_balloon set it to 2 MiB when it registered;
+# the kernel's own command line parameter is overwritten then in 6.1)
+if [ -n "$ro" ]; then
+  echo "$ro" > /sys/module/page_reporting/parameters/page_reporting_order \
+    || fail "page_reporting_order $ro"
+fi
 if [ -n "$probe" ]; then echo "corral-probe-ok" > /dev/console; $B poweroff -f; fi
 disk() {  # the /dev node of the virtio disk with this serial
   for t in 1 2 3 4 5 6 7 8 9 10; do
