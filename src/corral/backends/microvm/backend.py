@@ -3,7 +3,8 @@
 Create, in order (each step undone if a later one fails):
   1. the sandbox dir: a btrfs subvolume with the disk quota, holding the writable disk
      (a sparse ext4 image the size of the disk limit, made here with mkfs), the console
-     log, QEMU's control socket ``vm.sock`` and the node's ``ctl.sock``;
+     log, QEMU's control socket ``vm.sock`` (the node's ``ctl.sock`` is in ``.ctl/``,
+     see :meth:`MicroVMBackend.ctl_path`);
   2. the sandbox's cgroup (the guest's memory plus QEMU's overhead, its cpus, a pids cap);
   3. QEMU, through a trampoline that enters that cgroup and a network namespace of its own
      first (:mod:`.qemu`); it daemonizes once its sockets exist, then drops to the VMM uid;
@@ -126,6 +127,7 @@ class MicroVMBackend:
             self.broken = e.message
             log.warning("microvm backend unavailable: %s", e.message)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.ctl_path("x").parent.mkdir(mode=0o700, exist_ok=True)
         self._started = True
 
     async def _prepare(self) -> None:
@@ -194,6 +196,11 @@ class MicroVMBackend:
                 await self.kill_all(name)
                 self.scratch.delete_subvol(name)
                 removed["subvols"] += 1
+        ctl = self.ctl_path("x").parent
+        if ctl.exists():  # the container engine's gc applies the same rule to this dir
+            for sock in ctl.iterdir():
+                if sock.name.endswith(".sock") and sock.name[: -len(".sock")] not in live:
+                    sock.unlink(missing_ok=True)
         return removed
 
     def _is_vm_dir(self, name: str) -> bool:
@@ -220,10 +227,19 @@ class MicroVMBackend:
     def dir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id
 
+    def ctl_path(self, sandbox_id: str) -> Path:
+        """The node's control socket of a VM (the multiplexer listens there; every request
+        connects to it): in the scratch's one ``.ctl`` dir, as the container engine's
+        (``ContainerBackend.ctl_dir``), not in the sandbox's own subvolume, where every
+        VM's socket had the same inode number and so the same bucket of the kernel's
+        unix socket table, walked by every connect. An adopted VM's multiplexer
+        listens here too (it is the node's socket, made again at each start)."""
+        return self.sandboxes_dir / ".ctl" / f"{sandbox_id}.sock"
+
     def agent(self, sandbox_id: str) -> InitClient:
         c = self._clients.get(sandbox_id)
         if c is None:
-            c = self._clients[sandbox_id] = InitClient(self.dir(sandbox_id) / "ctl.sock")
+            c = self._clients[sandbox_id] = InitClient(self.ctl_path(sandbox_id))
         return c
 
     def files(self, sandbox_id: str) -> AgentFiles:
@@ -426,7 +442,7 @@ class MicroVMBackend:
         """The guest's first answer, within boot_timeout; else SandboxError with the
         console's last lines (the caller's undo kills the VMM)."""
         t = self.config.boot_timeout
-        client = InitClient(self.dir(sandbox_id) / "ctl.sock", connect_timeout=t)
+        client = InitClient(self.ctl_path(sandbox_id), connect_timeout=t)
         try:
             async with asyncio.timeout(t):  # the client's own guard adds a margin
                 await client.ping()
@@ -522,7 +538,9 @@ class MicroVMBackend:
 
     def _new_mux(self, sandbox_id: str) -> HostMux:
         d = self.dir(sandbox_id)
-        return HostMux(d / "vm.sock", d / "ctl.sock", wake=lambda: self.restore(sandbox_id))
+        return HostMux(
+            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore(sandbox_id)
+        )
 
     async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
         """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
