@@ -281,3 +281,88 @@ def test_vm_argv_skips_the_guest_tracefs_unless_asked(tmp_path: Path) -> None:
     assert "initcall_blacklist=tracer_init_tracefs" in off[off.index("-append") + 1]
     on = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, tracefs=True)
     assert "initcall_blacklist" not in on[on.index("-append") + 1]
+
+
+def _elf_with_notes(notes: list[tuple[bytes, int]]) -> bytes:
+    """A minimal x86-64 ELF whose one program header is a PT_NOTE with ``notes``
+    (name, type)."""
+    body = b""
+    for name, ntype in notes:
+        n = name + b"\0"
+        body += struct.pack("<III", len(n), 8, ntype) + n.ljust(-(-len(n) // 4) * 4, b"\0")
+        body += b"\0" * 8
+    ehdr = bytearray(64)
+    ehdr[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", ehdr, 0x20, 64)  # e_phoff
+    struct.pack_into("<HH", ehdr, 0x36, 56, 1)  # e_phentsize, e_phnum
+    phdr = struct.pack("<IIQQQQQQ", 4, 0, 64 + 56, 0, 0, len(body), len(body), 4)
+    return bytes(ehdr) + phdr + body
+
+
+def _bzimage(payload_elf: bytes) -> bytes:
+    """A bzImage-shaped file: setup sectors with the header fields pvh_kernel reads, then
+    the gzip'd ELF and its size, as the kernel's build appends it."""
+    import gzip
+
+    setup_sects = 1
+    head = bytearray((setup_sects + 1) * 512)
+    head[0x1F1] = setup_sects
+    head[0x202:0x206] = b"HdrS"
+    payload = gzip.compress(payload_elf) + struct.pack("<I", len(payload_elf))
+    struct.pack_into("<II", head, 0x248, 0, len(payload))
+    return bytes(head) + payload
+
+
+def test_pvh_kernel_unpacks_the_elf_with_a_pvh_entry(tmp_path: Path) -> None:
+    """The bzImage's payload is decompressed to the ELF (cached by kernel version) when
+    the ELF has Xen's PHYS32_ENTRY note; without the note, or from something that is not
+    a bzImage, there is no PVH kernel (the bzImage is booted)."""
+    mods = tmp_path / "k" / "lib" / "modules" / "6.1.0-test"
+    mods.mkdir(parents=True)
+    img = tmp_path / "k" / "vmlinuz-6.1.0-test"
+    elf = _elf_with_notes([(b"Linux", 6), (b"Xen", 18)])
+    img.write_bytes(_bzimage(elf))
+    k = guest.Kernel(img, mods)
+    out = guest.pvh_kernel(k, tmp_path / "out")
+    assert out == tmp_path / "out" / "vmlinux-6.1.0-test"
+    assert out.read_bytes() == elf
+    assert guest.pvh_kernel(k, tmp_path / "out") == out  # cached
+    img.write_bytes(_bzimage(_elf_with_notes([(b"Xen", 5)])))
+    assert guest.pvh_kernel(k, tmp_path / "other") is None
+    img.write_bytes(b"not a kernel" * 100)
+    assert guest.pvh_kernel(k, tmp_path / "third") is None
+
+
+def test_no_thp_wrapper_disables_huge_pages_for_what_it_runs(tmp_path: Path) -> None:
+    """Under TCG QEMU runs with THP disabled (the prctl is kept across exec); the
+    trampoline puts the wrapper in front of QEMU only when asked."""
+    import subprocess
+    import sys
+
+    wrap = [sys.executable, "-I", "-S", "-c", qemu._NO_THP]
+    r = subprocess.run([*wrap, "cat", "/proc/self/status"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "THP_enabled:\t0" in r.stdout
+    plain = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True)
+    assert "THP_enabled:\t1" in plain.stdout
+    procs = [tmp_path / "cgroup.procs"]
+    run, _ = qemu.trampoline(procs, ["qemu"], uid=1000, holder_file=tmp_path / "h", thp=False)
+    assert run[-len(wrap) - 1 :] == [*wrap, "qemu"]
+    run, _ = qemu.trampoline(procs, ["qemu"], uid=1000, holder_file=tmp_path / "h")
+    assert qemu._NO_THP not in run
+
+
+def test_report_order_and_fork_kernel(tmp_path: Path) -> None:
+    """The reporting order goes to the initramfs (which writes it to sysfs once the
+    balloon driver registered); a fork child boots its parent's kernel file."""
+    f = _files(tmp_path, [])
+    argv = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None, report_order=0)
+    assert "corral.report_order=0" in argv[argv.index("-append") + 1]
+    assert "page_reporting_order" in guest.INIT_SCRIPT
+    plain = qemu.vm_argv(f, accel="tcg", cpus=1, memory_mib=256, runas=None)
+    assert "report_order" not in plain[plain.index("-append") + 1]
+    parent = list(argv)
+    parent[parent.index("-kernel") + 1] = "/old/vmlinuz"
+    child = qemu.devices_as_in(argv, parent)
+    assert child[child.index("-kernel") + 1] == "/old/vmlinuz"
+    assert argv[argv.index("-kernel") + 1] != "/old/vmlinuz"  # not changed in place

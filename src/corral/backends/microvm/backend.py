@@ -3,7 +3,8 @@
 Create, in order (each step undone if a later one fails):
   1. the sandbox dir: a btrfs subvolume with the disk quota, holding the writable disk
      (a sparse ext4 image the size of the disk limit, made here with mkfs), the console
-     log, QEMU's control socket ``vm.sock`` and the node's ``ctl.sock``;
+     log, QEMU's control socket ``vm.sock`` (the node's ``ctl.sock`` is in ``.ctl/``,
+     see :meth:`MicroVMBackend.ctl_path`);
   2. the sandbox's cgroup (the guest's memory plus QEMU's overhead, its cpus, a pids cap);
   3. QEMU, through a trampoline that enters that cgroup and a network namespace of its own
      first (:mod:`.qemu`); it daemonizes once its sockets exist, then drops to the VMM uid;
@@ -102,6 +103,9 @@ class MicroVMBackend:
         self.accel = ""
         self.accel_detail = ""
         self.kernel: guest.Kernel | None = None
+        self.boot_kernel: Path | None = None
+        """What QEMU boots: the kernel's uncompressed ELF for a PVH boot where it has one
+        (:func:`.guest.pvh_kernel`), else its bzImage."""
         self.initrd: Path | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.broken = ""
@@ -123,6 +127,7 @@ class MicroVMBackend:
             self.broken = e.message
             log.warning("microvm backend unavailable: %s", e.message)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.ctl_path("x").parent.mkdir(mode=0o700, exist_ok=True)
         self._started = True
 
     async def _prepare(self) -> None:
@@ -138,6 +143,8 @@ class MicroVMBackend:
                 )
         init = await asyncio.to_thread(ensure_built, self.ctx.state_dir / "bin")
         self.initrd = await asyncio.to_thread(guest.build_initramfs, self.kernel, init, self._dir)
+        pvh = await asyncio.to_thread(guest.pvh_kernel, self.kernel, self._dir)
+        self.boot_kernel = pvh or self.kernel.vmlinuz
         if self.config.accel != "auto":
             self.accel, self.accel_detail = self.config.accel, "configured"
         else:
@@ -156,6 +163,8 @@ class MicroVMBackend:
         files = hostcache.vmm_files(qemu.QEMU)
         if self.kernel is not None:
             files.append(self.kernel.vmlinuz)
+        if self.boot_kernel is not None and self.boot_kernel not in files:
+            files.append(self.boot_kernel)
         if self.initrd is not None:
             files.append(self.initrd)
         hostcache.charge_to_node(files)
@@ -187,6 +196,11 @@ class MicroVMBackend:
                 await self.kill_all(name)
                 self.scratch.delete_subvol(name)
                 removed["subvols"] += 1
+        ctl = self.ctl_path("x").parent
+        if ctl.exists():  # the container engine's gc applies the same rule to this dir
+            for sock in ctl.iterdir():
+                if sock.name.endswith(".sock") and sock.name[: -len(".sock")] not in live:
+                    sock.unlink(missing_ok=True)
         return removed
 
     def _is_vm_dir(self, name: str) -> bool:
@@ -213,10 +227,19 @@ class MicroVMBackend:
     def dir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id
 
+    def ctl_path(self, sandbox_id: str) -> Path:
+        """The node's control socket of a VM (the multiplexer listens there; every request
+        connects to it): in the scratch's one ``.ctl`` dir, as the container engine's
+        (``ContainerBackend.ctl_dir``), not in the sandbox's own subvolume, where every
+        VM's socket had the same inode number and so the same bucket of the kernel's
+        unix socket table, walked by every connect. An adopted VM's multiplexer
+        listens here too (it is the node's socket, made again at each start)."""
+        return self.sandboxes_dir / ".ctl" / f"{sandbox_id}.sock"
+
     def agent(self, sandbox_id: str) -> InitClient:
         c = self._clients.get(sandbox_id)
         if c is None:
-            c = self._clients[sandbox_id] = InitClient(self.dir(sandbox_id) / "ctl.sock")
+            c = self._clients[sandbox_id] = InitClient(self.ctl_path(sandbox_id))
         return c
 
     def files(self, sandbox_id: str) -> AgentFiles:
@@ -313,7 +336,7 @@ class MicroVMBackend:
         undo.append(lambda: self.cgroups.remove(sandbox_id))
         undo.append(lambda: self.kill_all(sandbox_id))
         files = qemu.VMFiles(
-            kernel=self.kernel.vmlinuz,
+            kernel=self.boot_kernel or self.kernel.vmlinuz,
             initrd=self.initrd,
             layers=layers,
             disk=d / "disk.img",
@@ -331,6 +354,7 @@ class MicroVMBackend:
             argv,
             uid=self._uid,
             holder_file=d / "netns.pid",
+            thp=self._thp,
         )
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
@@ -347,6 +371,13 @@ class MicroVMBackend:
             undo.append(lambda: self._drop_mux(sandbox_id))
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
+
+    @property
+    def _thp(self) -> bool:
+        """Back guest RAM with host huge pages: under KVM (the guest's memory accesses go
+        through 2 MiB mappings), not under TCG, where they buy nothing and keep freed
+        guest memory held (:data:`.qemu._NO_THP`)."""
+        return self.accel != "tcg"
 
     @property
     def _uid(self) -> int:
@@ -372,6 +403,10 @@ class MicroVMBackend:
             hostname=spec.hostname,
             tb_mib=self.config.tcg_tb_mib,
             tracefs=self.config.guest_tracefs,
+            # 4 KiB blocks where guest RAM is in 4 KiB host pages (TCG, see _thp): with
+            # 2 MiB ones the guest's free memory in smaller pieces, and all of its DMA
+            # zone (16 MiB, under the reporting watermark of 32 blocks), is never returned
+            report_order=None if self._thp else 0,
         )
 
     def _layer_access(self, sandbox_id: str) -> str:
@@ -407,7 +442,7 @@ class MicroVMBackend:
         """The guest's first answer, within boot_timeout; else SandboxError with the
         console's last lines (the caller's undo kills the VMM)."""
         t = self.config.boot_timeout
-        client = InitClient(self.dir(sandbox_id) / "ctl.sock", connect_timeout=t)
+        client = InitClient(self.ctl_path(sandbox_id), connect_timeout=t)
         try:
             async with asyncio.timeout(t):  # the client's own guard adds a margin
                 await client.ping()
@@ -503,7 +538,9 @@ class MicroVMBackend:
 
     def _new_mux(self, sandbox_id: str) -> HostMux:
         d = self.dir(sandbox_id)
-        return HostMux(d / "vm.sock", d / "ctl.sock", wake=lambda: self.restore(sandbox_id))
+        return HostMux(
+            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore(sandbox_id)
+        )
 
     async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
         """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
@@ -581,6 +618,7 @@ class MicroVMBackend:
             uid=self._uid,
             holder_file=d / "netns.pid",
             join_netns=None if new_netns else self._holder(sandbox_id),
+            thp=self._thp,
         )
         # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
         # netns and cgroup (see create()).
@@ -679,7 +717,7 @@ class MicroVMBackend:
         assert self.kernel is not None and self.initrd is not None
         layers = [self.ctx.store.path_of(digest) for digest in image.layers]
         files = qemu.VMFiles(
-            kernel=self.kernel.vmlinuz,
+            kernel=self.boot_kernel or self.kernel.vmlinuz,
             initrd=self.initrd,
             layers=layers,
             disk=d / "disk.img",

@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,12 +93,17 @@ def vm_argv(
     hostname: str | None = None,
     tb_mib: int = 16,
     tracefs: bool = False,
+    report_order: int | None = None,
 ) -> list[str]:
     """The full QEMU command line of one VM, to be run with the sandbox dir
     (``files.disk.parent``) as its working directory. ``dns``: the resolver the guest's
     /etc/resolv.conf names (the node's); ``hostname``: the guest's; ``tb_mib``: TCG's
-    translation cache (MiB); ``tracefs``: keep the guest kernel's tracefs (see below)."""
+    translation cache (MiB); ``tracefs``: keep the guest kernel's tracefs (see below);
+    ``report_order``: the guest's free page reporting order (None: the kernel's, 2 MiB
+    blocks; the initramfs sets it once the balloon driver is loaded)."""
     append = f"console=ttyS0 quiet panic=-1 corral.layers={len(files.layers)}"
+    if report_order is not None:
+        append += f" corral.report_order={report_order}"
     if not tracefs:
         # The 6.1 kernel makes a dentry and an inode for every file of every trace event
         # at boot (eventfs, which makes them on demand, came in 6.6): 8.7 MiB of pinned
@@ -204,9 +210,14 @@ def vm_argv(
 
 
 def devices_as_in(argv: list[str], parent: list[str]) -> list[str]:
-    """``argv`` (a fork child's) without the balloon device if ``parent`` (the command
-    line the migrated state came from) had none: a VM started before free page reporting
-    was added; restoring its state into a machine with an extra device fails."""
+    """``argv`` (a fork child's) with what ``parent`` (the command line the migrated state
+    came from) had where the machine must match it: no balloon device if the parent had
+    none (a VM started before free page reporting was added; restoring its state into a
+    machine with an extra device fails), and the parent's kernel file (a bzImage boot
+    has another option ROM than a PVH boot, and the state names its ROMs)."""
+    argv = list(argv)
+    if "-kernel" in parent and "-kernel" in argv:
+        argv[argv.index("-kernel") + 1] = parent[parent.index("-kernel") + 1]
     if _BALLOON in parent or _BALLOON not in argv:
         return argv
     i = argv.index(_BALLOON)
@@ -271,6 +282,20 @@ exec "$@"
 """
 
 
+_NO_THP = (
+    "import ctypes, os, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0) != 0:\n"  # PR_SET_THP_DISABLE
+    "    sys.exit(f'prctl(PR_SET_THP_DISABLE): {os.strerror(ctypes.get_errno())}')\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
+"""Run argv[1:] with transparent huge pages off. QEMU ``MADV_HUGEPAGE``s all guest RAM, so
+with THP a 2 MiB host page stays whole while any 4 KiB of it is in use: the guest's
+freed memory returns to the host (free page reporting) only in whole 2 MiB blocks, and a
+smaller block reported splits the huge page without freeing it (the kernel's deferred
+split, under memory pressure only). Under TCG huge pages buy the guest nothing (its
+softmmu TLB maps 4 KiB pages)."""
+
+
 def trampoline(
     procs_files: list[Path],
     argv: list[str],
@@ -278,6 +303,7 @@ def trampoline(
     uid: int,
     holder_file: Path,
     join_netns: int | None = None,
+    thp: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """``argv`` run by a shell that first moves itself into the cgroup (every
     ``cgroup.procs`` file given) and then into the VMM's network namespace, so QEMU starts
@@ -285,7 +311,11 @@ def trampoline(
 
     A new namespace (``join_netns`` None) is set up by :data:`_NETNS_SETUP` (the tap, the
     NAT, the holder whose pid goes to ``holder_file``); a restore joins the namespace of the
-    holder ``join_netns`` (its tap, and the eth0 the node attached, are still there)."""
+    holder ``join_netns`` (its tap, and the eth0 the node attached, are still there).
+    ``thp=False``: QEMU runs with transparent huge pages disabled (``PR_SET_THP_DISABLE``,
+    kept across exec), so its guest RAM is backed by 4 KiB pages (see :data:`_NO_THP`)."""
+    if not thp:
+        argv = [sys.executable, "-I", "-S", "-c", _NO_THP, *argv]
     unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
     if unshare is None or nsenter is None:
         raise HostError("microvm: unshare/nsenter (util-linux) not found")
