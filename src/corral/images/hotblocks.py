@@ -18,26 +18,16 @@ instead of 1.15 s. This is what DSec's and Nydus's prefetch lists and eStargz's
 "landmark" ordering do: what a task reads at start is much the same from one run to the
 next.
 
-Why only once a sandbox is up: a burst's creates make store round trips of their own
-in series (a layer's first mount: lease, stamp, mount; every create: the image
-manifest), and on the link each queues behind the prefetch bytes already asked for.
-Started at the mount with 16 x 256 KiB in flight (the first default), up to 4 MiB
-(33 ms of 1 Gbit/s) sat ahead of each of those round trips, and a quiet 64-sandbox
-burst's creates ended 1.5 s later than without prefetch. Deferred, the create that
-mounts a layer has none of its prefetch ahead of it. The lead's quiet pair
-(docs/shared-store.md): on-demand done 2.54 s deferred against 3.10 s at the mount.
-
-Why :data:`WORKERS` = 8 reads of 1 MiB: a read on a FUSE file goes to the store as
-requests of the connection's largest size (128 KiB on MooseFS: a burst's 109 MiB came
-as 1,104 FUSE reads), and with ``POSIX_FADV_RANDOM`` the kernel's forced read-ahead
-asks for one such request and waits for it before the next (as we read mm/readahead.c),
-so one worker's 1 MiB read is about 8 round trips in a row, and 2 workers kept about
-2 x 128 KiB on the wire (the burst's link carried ~55 MB/s of its 1 Gbit/s while its
-tasks waited for pages). 8 workers keep 8 requests in flight. ``corral bench ondemand``'s burst
-(64 sandboxes, 8 images, 0.5 ms each way), 5 interleaved pairs at load 3-17: on-demand
-done 1.91-2.23 s against 2.06-2.42 s with 2 workers, every pair sooner (-7% median);
-the cached node's the same (1.36-1.46 s against 1.41-1.47 s). 16 or 32 x 128 KiB gave
-the same as 8 x 1 MiB (the same requests in flight, more Python calls).
+Why only once a sandbox is up, and only 2 x 1 MiB in flight: a burst's creates make
+store round trips of their own in series (a layer's first mount: lease, stamp, mount,
+~17 round trips; every create: the image manifest), and on the link each queues behind
+the prefetch bytes already asked for. Started at the mount with 16 x 256 KiB in flight
+(the first default), up to 4 MiB (33 ms of 1 Gbit/s) sat ahead of each of those round
+trips, and a quiet 64-sandbox burst's creates ended 1.5 s later than without prefetch.
+Deferred, the create that mounts a layer has none of its prefetch ahead of it, and
+later ones at most 2 MiB (16 ms); two 1 MiB reads still keep the link busy (each is
+8 ms on it against a 1-3 ms round trip). The lead's quiet pair (docs/shared-store.md):
+on-demand done 2.54 s deferred against 3.10 s at the mount (cached 1.60-1.73 s).
 :meth:`HotBlocks.start` is what the backend calls when a create returns
 (``LayerMounts.started``; adopted layers count as up).
 
@@ -110,10 +100,9 @@ trip of a create may find queued ahead of it on the link (see the module docstri
 Measured for one image's task alone, reads at the mount, at load ~10, three interleaved
 runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB 0.40-0.72,
 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41); a burst's creates, not
-one task, decided for 1 MiB (see :data:`WORKERS`)."""
-WORKERS = 8
-"""Prefetch reads in flight per node (each one 128 KiB request to a FUSE store at a
-time: see the module docstring)."""
+one task, decided for 2 x 1 MiB."""
+WORKERS = 2
+"""Prefetch reads in flight per node."""
 DEFER = True
 """Hold a layer's prefetch until a sandbox using it is up (see the module docstring); False
 reads from the mount on (the first default: 16 x 256 KiB)."""
