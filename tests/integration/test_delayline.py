@@ -35,10 +35,12 @@ def test_a_round_trip_pays_the_delay_both_ways_and_nothing_stays() -> None:
         assert min(rtts) >= 0.040  # a lower bound only: the line never delivers early
         pump = line._pump
         assert pump is not None and pump.poll() is None
+        assert line.pump_pid == pump.pid  # what the benches account the link's CPU by
     finally:
         line.down()
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
     assert pump.poll() is not None
+    assert line.pump_pid is None
     assert not Path(f"/sys/class/net/{DEV}").exists()
     assert not Path(f"/run/netns/{NS}").exists()
 

@@ -54,6 +54,13 @@ def test_ondemand_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["modes"]["eager"]["store_reads_mib"] > out["modes"]["ondemand"]["store_reads_mib"]
     for k in ("speedup_vs_eager", "writes_ratio_vs_eager", "vs_cached"):
         assert out[k] > 0, k
+    # Where each burst's CPU went: the store's own processes share the machine's cores,
+    # and eager's copy of every layer goes through the servers and the link.
+    cpu = {mode: out["breakdown"][mode]["cpu_s"] for mode in out["modes"]}
+    for split in cpu.values():
+        assert set(split) == {"machine_busy", "store_servers", "store_link", "store_client"}
+        assert split["machine_busy"] > 0 and min(split.values()) >= 0
+    assert cpu["eager"]["store_servers"] + cpu["eager"]["store_link"] > 0
     # Set-up recorded hot-block profiles (a task reads a small part of each layer).
     assert out["layer_prefetch"] is True and out["profiled_layers"] >= 1
 

@@ -111,6 +111,11 @@ class DelayLine:
             self.down()
             raise RuntimeError(f"the delay line's pump did not start (said {ready!r})")
 
+    @property
+    def pump_pid(self) -> int | None:
+        """The pump's pid while it runs (the bench accounts its CPU)."""
+        return self._pump.pid if self._pump is not None else None
+
     def down(self) -> None:
         """End the pump (its devices go with it) and remove what is left."""
         if self._pump is not None:

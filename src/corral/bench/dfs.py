@@ -226,6 +226,19 @@ class MooseStore:
         stats = Path(f"/sys/class/net/{self.host.veth}/statistics")
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time used so far by the store's processes, which on a test machine share
+        its cores with the node under test: ``servers`` (master and chunkserver: another
+        machine's in a cluster), ``link`` (the delay line's pump: the network's) and
+        ``client`` (mfsmount: the node's own store client)."""
+        procs = [p.pid for p in self._procs]
+        pump = self._line.pump_pid if self._line is not None else None
+        return {
+            "servers": sum(_cpu_seconds(pid) for pid in procs[:2]),
+            "link": _cpu_seconds(pump) if pump is not None else 0.0,
+            "client": sum(_cpu_seconds(pid) for pid in procs[2:]),
+        }
+
     def drop_server_cache(self) -> None:
         """Evict the chunkserver's chunk files from the page cache (this machine's, which
         the servers share), so reads that cross the link are cold on the server too."""
@@ -259,6 +272,16 @@ class MooseStore:
             self._line = None
         self.host.down()  # deletes the veth pair (or what is left) and with it the qdiscs
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _end(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

@@ -94,6 +94,26 @@ def disk_writes(path: Path) -> int:
     return 0
 
 
+def machine_busy_s() -> float:
+    """CPU seconds this machine has spent busy (all cores; not idle, not iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_split(
+    busy: tuple[float, float], store: tuple[dict[str, float], dict[str, float]] | None
+) -> dict[str, float]:
+    """A burst's CPU seconds: the machine's, and of them the network store's processes'
+    (``store_servers``, ``store_link``: another machine's and the network's in a cluster,
+    here on the same cores as the node; ``store_client``: the node's mfsmount)."""
+    out = {"machine_busy": round(busy[1] - busy[0], 2)}
+    if store is not None:
+        for k, v in store[1].items():
+            out[f"store_{k}"] = round(v - store[0].get(k, 0.0), 2)
+    return out
+
+
 drop_cache = pagecache.evict
 """Evict one file from the page cache (cold reads without dropping the machine's)."""
 
@@ -122,19 +142,25 @@ def _pct(values: list[float]) -> dict[str, float]:
 
 
 def breakdown(
-    waits: list[float], creates: list[float], tasks: list[float], stats: Stats | None
+    waits: list[float],
+    creates: list[float],
+    tasks: list[float],
+    stats: Stats | None,
+    cpu: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Where a burst's time went, per sandbox (p50 and max, seconds): ``queued`` (waiting
     for a --concurrency slot), ``create`` (the create call as the client saw it), ``task``
     (the exec of the task, from the create's answer to its end) and the node's own
     phases of the creates (``corral stats``: layer_mounts, rootfs, runtime_start, ...) and
-    of the execs. Figures for reading, not for the targets: they do not change what
-    ``all_ready_s`` and ``done_s`` measure."""
+    of the execs; ``cpu_s``: :func:`cpu_split`. Figures for reading, not for the targets:
+    they do not change what ``all_ready_s`` and ``done_s`` measure."""
     out: dict[str, Any] = {
         "queued": _pct(waits),
         "create": _pct(creates),
         "task": _pct(tasks),
     }
+    if cpu is not None:
+        out["cpu_s"] = cpu
     if stats is not None:
         for op in ("create", "exec"):
             st = stats.ops.get(op)
@@ -307,6 +333,7 @@ async def run_burst(
             os.sync()
             w0 = disk_writes(opts.state_dir.parent)
             r0 = link.link_bytes()[1] if link else 0
+            c0 = machine_busy_s(), link.cpu_seconds() if link else None
             t0 = time.monotonic()
 
             async def one(i: int) -> None:
@@ -330,6 +357,7 @@ async def run_burst(
                 os.sync()
                 writes = disk_writes(opts.state_dir.parent) - w0
                 reads = (link.link_bytes()[1] - r0) if link else 0
+                c1 = machine_busy_s(), link.cpu_seconds() if link else None
                 stats = await client.stats()
             finally:
                 # Also on failure: a node keeps its sandboxes when it closes.
@@ -342,7 +370,13 @@ async def run_burst(
         max(done),
         writes / MIB,
         reads / MIB,
-        breakdown(waits, creates, tasks, stats),
+        breakdown(
+            waits,
+            creates,
+            tasks,
+            stats,
+            cpu_split((c0[0], c1[0]), (c0[1], c1[1]) if c0[1] and c1[1] else None),
+        ),
     )
 
 
