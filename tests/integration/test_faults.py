@@ -354,7 +354,9 @@ async def test_local_store_unreachable_or_damaged(images_ready) -> None:  # type
         finally:
             gone.rename(STORE)
         await other_works()
-        # 3. a truncated layer file: the first mount refuses it by its digest
+        # 3. a truncated layer file: the first mount refuses it by its digest (the layer's
+        # mount from the creates above lingers: swept first, as after layer_linger)
+        await asyncio.to_thread(n.backend.layers.sweep, time.monotonic() + n.config.layer_linger)
         saved = layer.read_bytes()
         os.truncate(layer, len(saved) // 2)
         try:
