@@ -430,7 +430,7 @@ class ContainerBackend:
         each in a thread (off the event loop), so its first create waits about one first
         mount, not one per layer. If one fails or the create is cancelled meanwhile, every
         acquire still completes and the ones that succeeded are recorded for undo."""
-        mounted = {*self.layers.mounted(), *self.layers.lingering()}
+        mounted = self.layers.ready()
         jobs: dict[str, asyncio.Future[Path]] = {
             d: asyncio.ensure_future(asyncio.to_thread(self.layers.acquire, d))
             for d in dict.fromkeys(image.layers)

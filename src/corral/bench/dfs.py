@@ -42,6 +42,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from corral.bench.delayline import DelayLine
 from corral.bench.netns_host import NetnsHost, wait_port
 from corral.host import pagecache
@@ -277,11 +279,10 @@ class MooseStore:
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return t.user + t.system
 
 
 def _end(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

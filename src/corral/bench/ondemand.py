@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from corral.bench import dfs
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.errors import SandboxError
@@ -96,9 +98,8 @@ def disk_writes(path: Path) -> int:
 
 def machine_busy_s() -> float:
     """CPU seconds this machine has spent busy (all cores; not idle, not iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - t.iowait
 
 
 def cpu_split(

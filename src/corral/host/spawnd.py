@@ -33,6 +33,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 from corral.errors import HostError
 from corral.host import cbuild
 from corral.host._aio import fd_ready
@@ -45,7 +47,6 @@ SOURCE = Path(__file__).parent.parent / "init" / "corral-spawnd.c"
 CFLAGS = ("-static", "-O2", "-Wall", "-s")
 _FIRST, _NFDS = 3, 5  # the launcher's fds 3..7
 _MAX_MSG = 65536
-_TICK = os.sysconf("SC_CLK_TCK")
 _RECV_FLAGS = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC  # a received pidfd is CLOEXEC
 
 
@@ -111,10 +112,9 @@ class SpawnServer:
         :func:`cpu_seconds`)."""
         own = 0.0
         if self._pid > 0:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{self._pid}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-                own = (int(fields[11]) + int(fields[12])) / _TICK
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(self._pid).cpu_times()
+                own = t.user + t.system
         return own + self._launched_cpu
 
     def _reap(self) -> None:

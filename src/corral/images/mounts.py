@@ -282,6 +282,11 @@ class LayerMounts:
         if self._hot is not None:
             self._hot.start(digests)
 
+    def ready(self) -> set[str]:
+        """Digests of the layers mounted now, used or lingering: an acquire only counts."""
+        with self._lock:
+            return {*self._counts, *self._idle}
+
     def mounted(self) -> dict[str, int]:
         """{digest: refcount} of the layers mounted now."""
         with self._lock:

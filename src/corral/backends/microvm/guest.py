@@ -343,8 +343,8 @@ def pvh_kernel(kernel: Kernel, out_dir: Path) -> Path | None:
     kernel) and is then decompressed by the guest. The kernel then runs at its link
     address (no KASLR in the guest)."""
     out = out_dir / f"vmlinux-{kernel.version}"
-    if out.exists():
-        return out if _has_pvh_note(out.read_bytes()) else None
+    if out.exists():  # written below only once its note was found (atomically)
+        return out
     data = kernel.vmlinuz.read_bytes()
     if len(data) < 0x250 or data[0x202:0x206] != b"HdrS":
         return None
