@@ -185,9 +185,10 @@ class Observer:
         """Write buffered timings; ``trim``: also drop all but the newest ``retention``."""
         with self._lock:
             rows, self._buffer = self._buffer, []
-        self.state.add_timings(rows)
-        if trim:
-            self.state.trim_timings(self._retention)
+        with self.state.batch():  # one commit for both
+            self.state.add_timings(rows)
+            if trim:
+                self.state.trim_timings(self._retention)
 
     def sync_events(self) -> None:
         """Count the events recorded since the last call into the metrics."""
