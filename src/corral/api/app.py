@@ -21,15 +21,16 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from corral import execwire
 from corral.api._pty import pty_router
-from corral.api.bigbody import exec_result_response
+from corral.api.bigbody import exec_raw_response, exec_result_response
 from corral.errors import CorralError, InvalidRequest, NotFound, SandboxError, Unauthorized
 from corral.integrations.e2b import E2BConfig, E2BGateway, e2b_config
 from corral.ops import NodeOps
@@ -75,6 +76,22 @@ _RAW_ANSWER: dict[int | str, dict[str, Any]] = {
 }
 _PNG_ANSWER: dict[int | str, dict[str, Any]] = {
     200: {"content": {"image/png": {}}, "description": "the screen as a PNG image"}
+}
+_EXEC_ACCEPT = (
+    f"{execwire.MEDIA_TYPE}: the answer in binary form, no base64 (corral.execwire: the "
+    "result's JSON with both streams empty, then stdout's bytes, then stderr's; the "
+    f"{execwire.HEADER} header gives the three lengths). Otherwise JSON."
+)
+_EXEC_ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {execwire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        "headers": {
+            "X-Corral-Exec": {
+                "description": "binary form only: head=N, stdout=N, stderr=N (bytes)",
+                "schema": {"type": "string"},
+            }
+        },
+    }
 }
 
 
@@ -502,10 +519,17 @@ def _routes(ops: NodeOps) -> APIRouter:  # noqa: C901 - one short function per r
         return resp
 
     # --- exec
-    @r.post(sb + "/exec", response_model=ExecResult, tags=["exec"])
-    async def exec_(sandbox_id: str, req: ExecRequest) -> Response:
+    @r.post(sb + "/exec", response_model=ExecResult, responses=_EXEC_ANSWER, tags=["exec"])
+    async def exec_(
+        sandbox_id: str,
+        req: ExecRequest,
+        accept: str | None = Header(None, description=_EXEC_ACCEPT),
+    ) -> Response:
+        res = await ops.exec(sandbox_id, req)
+        if execwire.wants(accept):
+            return exec_raw_response(res)
         # a big output is streamed in slices: its encoding must not stall the event loop
-        return exec_result_response(await ops.exec(sandbox_id, req))
+        return exec_result_response(res)
 
     @r.post(
         sb + "/exec/stream",

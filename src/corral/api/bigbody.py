@@ -28,13 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pybase64
 from fastapi.responses import Response, StreamingResponse
 
+from corral import execwire
 from corral.host.sched import bulk_thread
 from corral.spec import ExecResult
 
-__all__ = ["exec_result_response", "exec_result_chunks", "BIG", "SLICE"]
+__all__ = ["exec_result_response", "exec_result_chunks", "exec_raw_response", "BIG", "SLICE"]
 
 BIG = 1 << 20
 """Output (both streams) above which the body is streamed in slices."""
+RAW_SLICE = 1 << 20
+"""Bytes per piece of a binary answer (corral.execwire): each is one ``send`` on the loop's
+thread (the kernel's copy), so a request waits at most that long behind it."""
 SLICE = 3 << 20
 """Input bytes per slice (3 MiB in, 4 MiB of base64 out, one worker-thread call): a
 multiple of 3, so the slices' base64 joins without padding."""
@@ -64,6 +68,26 @@ def exec_result_response(res: ExecResult, status: int = 200) -> Response:
         media_type="application/json",
         headers={"content-length": str(length)},
     )
+
+
+def exec_raw_response(res: ExecResult, status: int = 200) -> Response:
+    """``res`` in the binary form of :mod:`corral.execwire` (the client asked for it): no
+    encoding at all; a big output is sent in pieces of :data:`RAW_SLICE`."""
+    head, out, err = execwire.frame(res)
+    headers = {execwire.HEADER: execwire.framing_header(head, out, err)}
+    if len(out) + len(err) <= BIG:
+        return Response(head + out + err, status, headers, execwire.MEDIA_TYPE)
+    headers["content-length"] = str(len(head) + len(out) + len(err))
+    return StreamingResponse(_raw_chunks(head, out, err), status, headers, execwire.MEDIA_TYPE)
+
+
+async def _raw_chunks(head: bytes, *streams: bytes) -> AsyncIterator[bytes | memoryview]:
+    yield head
+    for data in streams:
+        view = memoryview(data)
+        for start in range(0, len(view), RAW_SLICE):
+            # a view, no copy: the server's h11 connection passes it on as it is (server.py)
+            yield view[start : start + RAW_SLICE]
 
 
 def _b64_len(data: bytes) -> int:

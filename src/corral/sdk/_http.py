@@ -17,6 +17,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from corral import execwire
 from corral.errors import (
     CorralError,
     InvalidRequest,
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["HTTPOps", "parse_target"]
 
 _JSON = {"content-type": "application/json"}
+_EXEC_HEADERS = {**_JSON, "accept": f"{execwire.MEDIA_TYPE}, application/json;q=0.5"}
+"""An exec's answer in binary form where the node has it (corral.execwire), else JSON."""
 _RAW = {"content-type": "application/octet-stream"}
 # Slack added to a request's read timeout over the command's own timeout: the node needs
 # a moment to kill the command and answer after the deadline.
@@ -288,10 +291,15 @@ class HTTPOps(NodeOps):
             "POST",
             self._sb(sandbox_id, "/exec"),
             content=req.model_dump_json(),
-            headers=_JSON,
+            headers=_EXEC_HEADERS,
             timeout=_read_timeout(req.timeout),
         )
-        return ExecResult.model_validate_json(resp.content)
+        if resp.headers.get("content-type", "").startswith(execwire.MEDIA_TYPE):
+            try:
+                return execwire.parse(resp.headers.get(execwire.HEADER), resp.content)
+            except ValueError as e:  # FramingError, or a head that is not an ExecResult
+                raise TransportError(f"exec in {sandbox_id}: a damaged answer: {e}") from None
+        return ExecResult.model_validate_json(resp.content)  # a node without the binary form
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
