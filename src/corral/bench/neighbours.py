@@ -10,8 +10,9 @@ serve`` does), from client processes of their own (bench/neighbours_probe.py).
   holds the same number of probes of the same mix. Before each attack an idle window of
   the same length is measured, and the attack's p99 is compared with that one (the
   machine's load drifts; ``idle`` also pools all idle windows). Each window reports
-  ``n``, p50 and p99 of both probes and ``loop_lag`` (how late a 5 ms timer of the
-  agent's event loop fired);
+  ``n``, p50 and p99 of both probes, ``loop_lag`` (how late a 5 ms timer of the
+  agent's event loop fired) and ``steal_ms`` (CPU time the hypervisor took from this
+  virtual machine in the window: a latency no node can avoid);
 - the **bystander** (best effort, like the attacker) holds a file of random bytes and a
   background ``sleep``: after each attack, still inside its window, it must still read its
   file back unchanged, find its ``sleep`` alive, and be able to fork, open files, make an
@@ -308,6 +309,7 @@ def _figures(w: Window) -> dict[str, Any]:
         "api": summary_ms(w.api_s) if w.api_s else None,
         "loop_lag": summary_ms(w.lag_s) if w.lag_s else None,
         "loop_cpu_ms": round(w.loop_cpu_s * 1000, 1),
+        "steal_ms": round(w.steal_s * 1000, 1),
         "probe_start_late": summary_ms(w.late_s) if w.late_s else None,
         "errors": w.errors[:5],
         "error_count": len(w.errors),
@@ -369,6 +371,7 @@ async def neighbours(
                     before = await probes.window(seconds)
                     for k in ("exec_s", "api_s", "lag_s", "errors"):
                         getattr(idle, k).extend(getattr(before, k))
+                    idle.steal_s += before.steal_s
                     res, w = await _one_attack(
                         node,
                         client,

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import psutil
+
 __all__ = ["Probes", "Flood", "FloodAnswer", "Window", "PROBE_HZ"]
 
 PROBE_HZ = 50.0
@@ -162,6 +164,10 @@ class Window:
     loop_cpu_s: float = 0.0
     """CPU time of the agent's event-loop thread during the window (its own work: the
     host's load inflates it far less than it does latencies)."""
+    steal_s: float = 0.0
+    """CPU time the hypervisor took from this machine's CPUs during the window (steal in
+    /proc/stat, all CPUs): on a virtual machine, a vCPU that wanted to run and did not.
+    Nothing in the node can answer faster then; a window with steal shows it."""
     late_s: list[float] = field(default_factory=list)
     """How late each probe started against its due time (the probe process starved of
     CPU, or :data:`IN_FLIGHT` probes still unanswered): the rate held if these stay small
@@ -206,6 +212,10 @@ async def _end(proc: asyncio.subprocess.Process, grace: float) -> None:
         await proc.wait()
 
 
+def _steal() -> float:
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
 class Probes:
     """The probe process (see the module docstring); one window at a time."""
 
@@ -236,6 +246,7 @@ class Probes:
         lag: list[float] = []
         loop = asyncio.get_running_loop()
         cpu0 = time.thread_time()
+        steal0 = _steal()
         while not answer.done():
             t0 = loop.time()
             await asyncio.sleep(0.005)
@@ -244,6 +255,7 @@ class Probes:
         cpu = time.thread_time() - cpu0
         return Window(
             loop_cpu_s=cpu,
+            steal_s=_steal() - steal0,
             exec_s=got["exec_s"],
             api_s=got["api_s"],
             lag_s=lag,
