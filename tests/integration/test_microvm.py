@@ -547,13 +547,24 @@ async def test_snapshot_to_a_layer_then_container_and_microvm(vmnode):  # type: 
     assert not _vmm_procs()
 
 
+_UNSHARED = ["/.corral/busybox", "unshare", "-m", "sh", "-c"]
+_CG = "B=/.corral/busybox; G=/sys/fs/cgroup; $B mount -t cgroup2 none $G && "
+"""The guest's cgroup2 tree at $G, for a script run under :data:`_UNSHARED` (a mount
+namespace of its own: the guest's one tree, mounted where no one else sees it)."""
+
+
 async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ignore[no-untyped-def]
     """Processes writing while a snapshot streams the guest's upper dir out: the guest's
     processes are frozen meanwhile, so the layer holds one instant of them. One writer
     puts a round number into 40 files in turn, round after round: in the layer the files
     hold round n up to some file and n-1 after it (read one by one while the writer ran,
     they would span several rounds). Another rewrites a 1 MiB file with one write() of
-    all-A or all-B: whole in the layer. Both run on once it is done."""
+    all-A or all-B: whole in the layer. Both run on once it is done. The second runs in a
+    cgroup the guest made itself, two levels down (as Docker in the VM would put it): it
+    is frozen where it is and thawed after; a guest cgroup the guest froze itself (a
+    ``docker pause``) stays frozen. (No Docker in the test image: the test makes the
+    cgroups the way it would.)"""
+    from corral.backends.microvm import freeze
     from corral.host import mounts
     from corral.spec import ExecRequest
 
@@ -577,8 +588,21 @@ async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ign
             "all=$(seq 1 40); n=0; while :; do n=$((n + 1));"
             " for i in $all; do echo $n > /data/s/$i; done; done"
         )
-        await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", whole]))
+
+        async def cg(script: str) -> str:
+            r = await vmnode.exec(src.id, ExecRequest(cmd=[*_UNSHARED, _CG + script]))
+            assert r.exit_code == 0, r
+            return r.stdout.decode()
+
+        # the writer of the 1 MiB file in a cgroup of the guest's own, two levels down
+        await cg("$B mkdir -p $G/mine/a $G/held")
+        own = _CG + 'echo $$ > $G/mine/a/cgroup.procs && exec sh -c "$0"'
+        await vmnode.spawn(src.id, ExecRequest(cmd=[*_UNSHARED, own, whole]))
         await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", rounds]))
+        await cg("until grep -q . $G/mine/a/cgroup.procs; do :; done")  # (size 0 in stat)
+        held = _CG + "echo $$ > $G/held/cgroup.procs && echo 1 > $G/held/cgroup.freeze && sleep 600"
+        await vmnode.spawn(src.id, ExecRequest(cmd=[*_UNSHARED, held]))
+        await cg('until grep -q "^frozen 1" $G/held/cgroup.events; do :; done')
         await sh(src.id, 'until [ "$(cat /data/s/40 2>/dev/null)" -gt 2 ] 2>/dev/null; do :; done')
         snap = await vmnode.sandbox_snapshot(src.id, name="vmtest/snap:frozen")
         probe = vmnode.config.state_dir / "probe-frozen"
@@ -605,6 +629,14 @@ async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ign
             " && ls /sys/fs/cgroup | grep -c corral-snapshot || true'",
         )
         assert left.strip() == "0", left
+        # the guest's own: the writer's thawed where it was, the guest's freeze kept
+        state = await cg(
+            "cat $G/mine/cgroup.freeze $G/held/cgroup.freeze"
+            f" && grep frozen $G/mine/a/cgroup.events && test ! -e {freeze.FROZEN}"
+        )
+        assert state == "0\n1\nfrozen 0\n", state
+        f0 = await sh(src.id, "md5sum < /data/f")
+        await sh(src.id, f'until [ "$(md5sum < /data/f)" != "{f0}" ]; do :; done')
     finally:
         await vmnode.sandbox_destroy(src.id)
     assert not _vmm_procs()
