@@ -101,6 +101,9 @@ class MicroVMBackend:
         self._clients: dict[str, InitClient] = {}
         self._cgroup_base: dict[str, dict[str, float]] = {}
         """sandbox -> what its recycled cgroups counted (:meth:`_recycle_cgroup`)."""
+        self._recycles: dict[str, asyncio.Future[int | None]] = {}
+        """sandbox -> its cgroup recycle in progress (a destroy waits for it: else it could
+        remove the cgroup the recycle then makes again, with the holder in it)."""
         self._started = False
         self.accel = ""
         self.accel_detail = ""
@@ -531,7 +534,11 @@ class MicroVMBackend:
         errors: list[str] = []
         await self._drop_mux(sandbox_id)
         self._cgroup_base.pop(sandbox_id, None)
-        with contextlib.suppress(Exception):  # its processes back where kill_all finds them
+        recycle = self._recycles.get(sandbox_id)
+        with contextlib.suppress(Exception):
+            if recycle is not None:
+                await asyncio.shield(recycle)
+            # a recycle cut short: its processes back where kill_all finds them
             await asyncio.to_thread(self._finish_recycle, sandbox_id)
         if not await self.kill_all(sandbox_id) and self.cgroups.exists(sandbox_id):
             errors.append("VMM: processes left in the cgroup after SIGKILL")
@@ -598,7 +605,11 @@ class MicroVMBackend:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(_drop_own_cache, d)
         # before the release: a waiting request restores QEMU into the new cgroup
-        recycled = await asyncio.to_thread(self._recycle_cgroup, sandbox_id)
+        recycle = self._recycles[sandbox_id] = asyncio.ensure_future(
+            asyncio.to_thread(self._recycle_cgroup, sandbox_id)
+        )
+        recycle.add_done_callback(lambda _: self._recycles.pop(sandbox_id, None))
+        recycled = await asyncio.shield(recycle)
         if mux is not None:
             mux.release()
         return {
