@@ -694,6 +694,8 @@ class Cgroups:
         d.mkdir(exist_ok=True)
         self._latency[name] = d.parent.name == self.latency_root
         for f, value in settings.items():
+            if f not in _RECYCLED_V2 + _RECYCLED_V1:  # the names come from a state file
+                raise HostError(f"cgroups: {f!r} is not a control file a recycle sets")
             self._write(d / f, value)
         for pid in self._read(tmp / "cgroup.procs").split():
             self._write(d / "cgroup.procs", pid)
