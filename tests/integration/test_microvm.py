@@ -827,6 +827,8 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert "dax" in out and out["fork_per_s"] > 0
     assert 0.5 < out["pause_released_fraction"] <= 1.0, out
     assert set(out["pause_left_mib"]) == {"anon", "file", "kernel", "swap"}, out
+    # the paused VM's cgroup is made anew: what it held went to the parent
+    assert out["pause_recycled_mib"] >= 0 and 0 < out["pause_released_before_recycle"] <= 1
     assert out["snapshot_resume_to_exec_ms"] > 0
     assert_no_leaks(state, run, sub)
     shutil.rmtree(state)

@@ -3,8 +3,9 @@
 Boots ``count`` microVMs one after another (create + first ``true``: boot to exec), times
 execs in one of them, reads each VM's host memory from its cgroup while all are up, then
 pauses one VM with ``memory_snapshot=True`` three times (the fraction of its cgroup's
-memory released, and what stayed charged by kind in the worst round; resume to first exec
-against a cold boot), then creates the same number of containers (boot to exec) for the
+memory released, and what stayed charged by kind in the worst round; what the backend
+handed to the parent cgroup when it made the paused VM's cgroup anew, and the fraction
+had it not; resume to first exec against a cold boot), then creates the same number of containers (boot to exec) for the
 comparison. Keys per issue 12. Forks: up to 4 children
 of one VM (``fork_per_s``: children per second of the whole fork call, restores included).
 ``dax``: host memory of ``count`` VMs reading the same files with the layers shared by DAX
