@@ -176,6 +176,44 @@ async def test_pause_with_memory_snapshot_keeps_the_desktop(desk):  # type: igno
     assert await _wait_file(n, info.id, "/tmp/back") == b"back\n"
 
 
+@pytest.mark.heavy
+async def test_snapshot_to_a_layer_then_container_and_vm(desk):  # type: ignore[no-untyped-def]
+    """snapshot() of a desktop VM (the microVM engine's path: the guest freezes its own
+    processes, X session included, and streams its overlay upper dir out; sockets such as
+    X's are left out): a new store layer from which a container and a headless full VM
+    both see the files, the owner and mode, and an image file deleted (a whiteout); the
+    desktop runs on after."""
+    from corral.spec import ExecRequest, Limits, SandboxSpec
+
+    n, info, _ = desk
+    changes = (
+        "mkdir -p /srv/snap && echo one > /srv/snap/f && chown 1000:1000 /srv/snap/f"
+        " && chmod 640 /srv/snap/f && rm /etc/issue.net && echo ok"
+    )
+    listing = "cat /srv/snap/f; stat -c '%u %a' /srv/snap/f; test -e /etc/issue.net || echo gone"
+    want = b"one\n1000 640\ngone\n"
+    r = await n.exec(info.id, ExecRequest(cmd=["sh", "-c", changes]))
+    assert r.stdout == b"ok\n", r
+    snap = await n.sandbox_snapshot(info.id, name="desktest/snap:one")
+    assert snap.layers[:-1] == info.layers and len(snap.layers) == len(info.layers) + 1
+    assert n.store.layer(snap.layers[-1]).source == info.id
+    vm = SandboxSpec(
+        image=snap.name,
+        backend="vm",
+        limits=Limits(cpus=1, memory="512MiB", disk="512MiB"),
+        qos="latency",
+    )
+    for spec in (SandboxSpec(image=snap.name), vm):
+        copy = await n.sandbox_create(spec)
+        try:
+            r = await n.exec(copy.id, ExecRequest(cmd=["sh", "-c", listing]))
+            assert r.stdout == want, (spec.backend, r)
+        finally:
+            await n.sandbox_destroy(copy.id)
+    assert len(_vmm_procs()) == 1
+    _png(await n.desktop_screenshot(info.id))
+
+
 async def _screen_changes(n, sid: str, before: bytes, timeout: float = 60.0) -> bytes:  # type: ignore[no-untyped-def]
     """The next screenshot that differs from ``before`` (the guest redraws on its own time)."""
     deadline = time.monotonic() + timeout

@@ -4,6 +4,7 @@ cache kept between runs (/var/cache/corral-test-microvm)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -308,6 +309,76 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
     assert not _vmm_procs()
 
 
+def _cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the host's page cache (util-linux fincore)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "PAGES", str(path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return int(out.split()[0])
+
+
+async def test_memory_snapshot_pause_hands_shared_layer_cache_to_the_parent(vmnode):  # type: ignore[no-untyped-def]
+    """The first VM on a cold layer reads the layer file into the host's page cache, so
+    that cache is charged to its cgroup; a second VM uses the same pages. Paused with a
+    memory snapshot, the first one's cgroup is made anew: its charge falls to ~0 while
+    the pages stay cached for the second (the old charge went to the parent, as at a
+    destroy), its limits and counters carry over, and it restores and is destroyed as
+    before."""
+    from corral.spec import ExecRequest
+
+    b = vmnode.backends.get("microvm")
+    layers = [b.ctx.store.path_of(d) for d in (await vmnode.image_get("test/busybox")).layers]
+    for p in layers:  # cold: the first VM's QEMU reads the layers in
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    first = await vmnode.sandbox_create(_spec())
+    sibling = await vmnode.sandbox_create(_spec())
+    sid = first.id
+    try:
+        read = "cat /bin/busybox /etc/* > /dev/null 2>&1; echo ok"
+        for i in (sid, sibling.id):
+            r = await vmnode.exec(i, ExecRequest(cmd=["sh", "-c", read]))
+            assert r.stdout == b"ok\n", r
+        cached = sum(_cached_pages(p) for p in layers)
+        assert cached > 0
+        assert b.cgroups.memory_breakdown(sid)["file"] > 0  # the layer cache it read first
+        limits = b.cgroups.settings(sid)
+        cpu_before = (await vmnode.sandbox_get(sid)).cpu_seconds
+        before = b.cgroups.memory_current(sid)
+        await vmnode.sandbox_pause(sid, memory_snapshot=True)
+        after = b.cgroups.memory_current(sid)
+        assert after < before * 0.01, (before, after)
+        ev = [e for e in await vmnode.events(sid) if e.kind == "paused"][-1]
+        assert ev.detail["recycled_cgroup_bytes"] > after, ev
+        assert b.cgroups.settings(sid) == limits  # same limits on the new cgroup
+        assert not b.cgroups.recycling(sid) and b.alive(sid)
+        assert sum(_cached_pages(p) for p in layers) == cached  # kept for the sibling
+        got = await vmnode.sandbox_get(sid)
+        assert got.state == "paused" and got.cpu_seconds >= cpu_before, (got, cpu_before)
+        r = await vmnode.exec(sibling.id, ExecRequest(cmd=["sh", "-c", read]))
+        assert r.stdout == b"ok\n", r
+        # restored into the new cgroup (QEMU in it: its meters count again)
+        r = await vmnode.exec(sid, ExecRequest(cmd=["sh", "-c", read]))
+        assert r.stdout == b"ok\n", r
+        assert b.vmm_pid(sid) in b.cgroups.procs(sid)
+        assert b.cgroups.memory_current(sid) > after
+        # destroy of a VM that is paused again
+        await vmnode.sandbox_pause(sid, memory_snapshot=True)
+        await vmnode.sandbox_destroy(sid)
+        assert not b.cgroups.exists(sid) and not b.cgroups.recycling(sid)
+    finally:
+        for i in (sid, sibling.id):
+            with contextlib.suppress(Exception):
+                await vmnode.sandbox_destroy(i)
+    assert not _vmm_procs()
+
+
 async def test_fork_carries_processes_and_memory(vmnode):  # type: ignore[no-untyped-def]
     """fork(2) of a running microVM: each child is restored from one memory snapshot of
     the parent plus a btrfs copy of its disk, so a running process, a tmpfs value and a
@@ -476,13 +547,24 @@ async def test_snapshot_to_a_layer_then_container_and_microvm(vmnode):  # type: 
     assert not _vmm_procs()
 
 
+_UNSHARED = ["/.corral/busybox", "unshare", "-m", "sh", "-c"]
+_CG = "B=/.corral/busybox; G=/sys/fs/cgroup; $B mount -t cgroup2 none $G && "
+"""The guest's cgroup2 tree at $G, for a script run under :data:`_UNSHARED` (a mount
+namespace of its own: the guest's one tree, mounted where no one else sees it)."""
+
+
 async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ignore[no-untyped-def]
     """Processes writing while a snapshot streams the guest's upper dir out: the guest's
     processes are frozen meanwhile, so the layer holds one instant of them. One writer
     puts a round number into 40 files in turn, round after round: in the layer the files
     hold round n up to some file and n-1 after it (read one by one while the writer ran,
     they would span several rounds). Another rewrites a 1 MiB file with one write() of
-    all-A or all-B: whole in the layer. Both run on once it is done."""
+    all-A or all-B: whole in the layer. Both run on once it is done. The second runs in a
+    cgroup the guest made itself, two levels down (as Docker in the VM would put it): it
+    is frozen where it is and thawed after; a guest cgroup the guest froze itself (a
+    ``docker pause``) stays frozen. (No Docker in the test image: the test makes the
+    cgroups the way it would.)"""
+    from corral.backends.microvm import freeze
     from corral.host import mounts
     from corral.spec import ExecRequest
 
@@ -506,8 +588,21 @@ async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ign
             "all=$(seq 1 40); n=0; while :; do n=$((n + 1));"
             " for i in $all; do echo $n > /data/s/$i; done; done"
         )
-        await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", whole]))
+
+        async def cg(script: str) -> str:
+            r = await vmnode.exec(src.id, ExecRequest(cmd=[*_UNSHARED, _CG + script]))
+            assert r.exit_code == 0, r
+            return r.stdout.decode()
+
+        # the writer of the 1 MiB file in a cgroup of the guest's own, two levels down
+        await cg("$B mkdir -p $G/mine/a $G/held")
+        own = _CG + 'echo $$ > $G/mine/a/cgroup.procs && exec sh -c "$0"'
+        await vmnode.spawn(src.id, ExecRequest(cmd=[*_UNSHARED, own, whole]))
         await vmnode.spawn(src.id, ExecRequest(cmd=["sh", "-c", rounds]))
+        await cg("until grep -q . $G/mine/a/cgroup.procs; do :; done")  # (size 0 in stat)
+        held = _CG + "echo $$ > $G/held/cgroup.procs && echo 1 > $G/held/cgroup.freeze && sleep 600"
+        await vmnode.spawn(src.id, ExecRequest(cmd=[*_UNSHARED, held]))
+        await cg('until grep -q "^frozen 1" $G/held/cgroup.events; do :; done')
         await sh(src.id, 'until [ "$(cat /data/s/40 2>/dev/null)" -gt 2 ] 2>/dev/null; do :; done')
         snap = await vmnode.sandbox_snapshot(src.id, name="vmtest/snap:frozen")
         probe = vmnode.config.state_dir / "probe-frozen"
@@ -534,6 +629,14 @@ async def test_snapshot_freezes_the_guest_while_it_streams(vmnode):  # type: ign
             " && ls /sys/fs/cgroup | grep -c corral-snapshot || true'",
         )
         assert left.strip() == "0", left
+        # the guest's own: the writer's thawed where it was, the guest's freeze kept
+        state = await cg(
+            "cat $G/mine/cgroup.freeze $G/held/cgroup.freeze"
+            f" && grep frozen $G/mine/a/cgroup.events && test ! -e {freeze.FROZEN}"
+        )
+        assert state == "0\n1\nfrozen 0\n", state
+        f0 = await sh(src.id, "md5sum < /data/f")
+        await sh(src.id, f'until [ "$(md5sum < /data/f)" != "{f0}" ]; do :; done')
     finally:
         await vmnode.sandbox_destroy(src.id)
     assert not _vmm_procs()
@@ -653,7 +756,10 @@ async def test_guest_that_never_answers(images_ready, tmp_path):  # type: ignore
 
 async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def]
     """A node that closes leaves its VMs running; the next one adopts them over a new
-    connection to QEMU's socket (the guest's mux drops the old channels on reset)."""
+    connection to QEMU's socket (the guest's mux drops the old channels on reset). A VM
+    paused with a memory snapshot stays paused, with its cgroup's limits, and its first
+    request restores it; one whose cgroup recycle was cut short (the node died between
+    moving the holder out and making the cgroup again) is completed at adopt."""
     from corral.node import Node
     from corral.spec import ExecRequest
 
@@ -663,9 +769,21 @@ async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def
         await node.gc(everything=True)
         info = await node.sandbox_create(_spec())
         await node.file_write(info.id, "/root/kept", b"before")
+        saved = await node.sandbox_create(_spec())
+        await node.file_write(saved.id, "/root/kept", b"saved")
+        await node.sandbox_pause(saved.id, memory_snapshot=True)
+        cg = node.backends.get("microvm").cgroups
+        limits = cg.settings(saved.id)
     finally:
         await node.close()
-    assert _vmm_procs()  # still running without a node
+    assert len(_vmm_procs()) == 1  # the running one, without a node
+    # cut a recycle short by hand: the holder in the sibling, the cgroup gone
+    d = cg.control_file("memory", saved.id, "cgroup.procs").parent
+    tmp = d.with_name(saved.id + ".recycle")
+    tmp.mkdir()
+    for pid in cg.procs(saved.id):
+        (tmp / "cgroup.procs").write_text(str(pid))
+    d.rmdir()
     node = await Node.open(cfg)
     try:
         got = await node.sandbox_get(info.id)
@@ -673,6 +791,15 @@ async def test_adopt_after_restart(images_ready):  # type: ignore[no-untyped-def
         r = await node.exec(info.id, ExecRequest(cmd=["cat", "/root/kept"]))
         assert r.stdout == b"before", r
         await node.sandbox_destroy(info.id)
+        assert not _vmm_procs()
+        got = await node.sandbox_get(saved.id)
+        assert got.state == "paused", got
+        assert not tmp.exists() and cg.settings(saved.id) == limits
+        r = await node.exec(saved.id, ExecRequest(cmd=["cat", "/root/kept"]))
+        assert r.stdout == b"saved", r
+        assert len(_vmm_procs()) == 1
+        assert (await node.sandbox_get(saved.id)).state == "running"
+        await node.sandbox_destroy(saved.id)
         assert not _vmm_procs()
     finally:
         for i in await node.sandbox_list():
@@ -700,6 +827,8 @@ def test_bench_microvm_keys(images_ready):  # type: ignore[no-untyped-def]
     assert "dax" in out and out["fork_per_s"] > 0
     assert 0.5 < out["pause_released_fraction"] <= 1.0, out
     assert set(out["pause_left_mib"]) == {"anon", "file", "kernel", "swap"}, out
+    # the paused VM's cgroup is made anew: what it held went to the parent
+    assert out["pause_recycled_mib"] >= 0 and 0 < out["pause_released_before_recycle"] <= 1
     assert out["snapshot_resume_to_exec_ms"] > 0
     assert_no_leaks(state, run, sub)
     shutil.rmtree(state)

@@ -1103,3 +1103,66 @@ def test_fake_tree_only(make_kernel: KernelFactory, tmp_path: Path, how: str, mo
     assert k.writes and k.mkdirs and k.os_proxy.touched
     outside = [p for p in paths if p != k.root and k.root not in p.parents]
     assert outside == []
+
+
+# -- recycling (a microVM saved to a memory snapshot) ------------------------------------------
+
+
+def test_v2_recycle_makes_the_cgroup_anew(make_kernel: KernelFactory) -> None:
+    k = make_kernel("v2")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", cpus=1.5, memory=512 << 20, pids=256, swap=0, latency=True)
+    cg.add_pid("sb-1", 4321)
+    d = k.root / cg.latency_root / "sb-1"
+    (d / "memory.current").write_text("5000\n")  # the shared page cache it read first
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 3\n")
+    settings = cg.settings("sb-1")
+    assert settings["memory.max"] == str(512 << 20) and settings["cpu.max"] == "150000 100000"
+    assert settings["pids.max"] == "256" and settings["memory.swap.max"] == "0"
+    assert cg.recycle("sb-1", settings) == 5000
+    assert cg.procs("sb-1") == [4321] and cg.settings("sb-1") == settings
+    assert cg.memory_current("sb-1") == 0 and cg.oom_kills("sb-1") == 0  # a new cgroup
+    assert cg.recycling("sb-1") is None and cg.list() == ["sb-1"]
+
+
+def test_v1_recycle_makes_only_the_memory_cgroup_anew(
+    make_kernel: KernelFactory, v1mode: str
+) -> None:
+    k = make_kernel(v1mode)
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", cpus=1, memory=256 << 20, pids=8, swap=0)
+    cg.add_pid("sb-1", 77)
+    mem, cpu = k.path("memory") / "corral" / "sb-1", k.path("cpu") / "corral" / "sb-1"
+    (mem / "memory.usage_in_bytes").write_text("9000\n")
+    (cpu / "cpuacct.usage").write_text("5000000000\n")
+    settings = cg.settings("sb-1")
+    assert list(settings) == ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+    assert cg.recycle("sb-1", settings) == 9000
+    assert cg.memory_current("sb-1") == 0 and cg.settings("sb-1") == settings
+    assert read(mem / "cgroup.procs") == "77" and read(cpu / "cgroup.procs") == "77"
+    assert cg.cpu_seconds("sb-1") == 5.0  # the cpu hierarchy's cgroup is kept
+    assert cg.list() == ["sb-1"]
+
+
+def test_recycle_cut_short_is_finished(make_kernel: KernelFactory) -> None:
+    """A node that died between moving the processes out and making the cgroup again:
+    :meth:`Cgroups.recycling` finds the sibling, finish_recycle completes it; settings
+    naming anything but the control files a recycle sets are refused."""
+    k = make_kernel("v2")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", cpus=1, memory=1 << 30, pids=10)
+    cg.add_pid("sb-1", 99)
+    settings = cg.settings("sb-1")
+    d = k.root / "corral" / "sb-1"
+    tmp = d.with_name("sb-1.recycle")
+    tmp.mkdir()
+    (tmp / "cgroup.procs").write_text("99\n")  # as the kernel moves it
+    (d / "cgroup.procs").write_text("")
+    k.rmdir(d)
+    fresh = open_cg(k, "mountinfo")  # the next node
+    assert fresh.recycling("sb-1") == tmp and not fresh.exists("sb-1")
+    with pytest.raises(HostError, match="not a control file a recycle sets"):
+        fresh.finish_recycle("sb-1", {"../../cgroup.procs": "1"}, tmp)
+    fresh.finish_recycle("sb-1", settings, tmp)
+    assert fresh.procs("sb-1") == [99] and fresh.settings("sb-1") == settings
+    assert fresh.recycling("sb-1") is None and fresh.list() == ["sb-1"]

@@ -110,13 +110,19 @@ class CgroupMeters:
     scratch subvolume (the invariant every backend keeps). Each figure is read from the
     kernel on first use only: an exec's OOM check costs one cgroup read, not five."""
 
-    def __init__(self, ctx: HostContext, sandbox_id: str) -> None:
+    def __init__(
+        self, ctx: HostContext, sandbox_id: str, base: Mapping[str, float] | None = None
+    ) -> None:
         self._ctx, self._sid = ctx, sandbox_id
+        self._base = base or {}
+        """What earlier cgroups of the sandbox counted (``oom_kills``, ``pids_refused``,
+        ``cpu_seconds``): a microVM's cgroup is made anew at a memory-snapshot pause
+        (:meth:`corral.host.cgroups.Cgroups.recycle`), and its counters go on from there."""
 
     @functools.cached_property
     def oom_kills(self) -> int | None:
         with contextlib.suppress(Exception):
-            return self._ctx.cgroups.oom_kills(self._sid)
+            return self._ctx.cgroups.oom_kills(self._sid) + int(self._base.get("oom_kills", 0))
         return None
 
     @functools.cached_property
@@ -126,7 +132,7 @@ class CgroupMeters:
             for line in text.splitlines():
                 k, _, v = line.partition(" ")
                 if k == "max":
-                    return int(v)
+                    return int(v) + int(self._base.get("pids_refused", 0))
         return None
 
     @functools.cached_property
@@ -152,7 +158,7 @@ class CgroupMeters:
     @functools.cached_property
     def cpu_seconds(self) -> float | None:
         with contextlib.suppress(Exception):
-            return self._ctx.cgroups.cpu_seconds(self._sid)
+            return self._ctx.cgroups.cpu_seconds(self._sid) + self._base.get("cpu_seconds", 0.0)
         return None
 
 

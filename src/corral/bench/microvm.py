@@ -3,8 +3,9 @@
 Boots ``count`` microVMs one after another (create + first ``true``: boot to exec), times
 execs in one of them, reads each VM's host memory from its cgroup while all are up, then
 pauses one VM with ``memory_snapshot=True`` three times (the fraction of its cgroup's
-memory released, and what stayed charged by kind in the worst round; resume to first exec
-against a cold boot), then creates the same number of containers (boot to exec) for the
+memory released, and what stayed charged by kind in the worst round; what the backend
+handed to the parent cgroup when it made the paused VM's cgroup anew, and the fraction
+had it not; resume to first exec against a cold boot), then creates the same number of containers (boot to exec) for the
 comparison. Keys per issue 12. Forks: up to 4 children
 of one VM (``fork_per_s``: children per second of the whole fork call, restores included).
 ``dax``: host memory of ``count`` VMs reading the same files with the layers shared by DAX
@@ -112,13 +113,18 @@ async def microvm(
         mem = [vm.meters(i).memory_resident or 0 for i in ids]
         out["host_mem_per_vm_mib"] = round(sum(mem) / len(mem) / (1 << 20), 1)
         say("microvm: pause(memory_snapshot=True) and resume to first exec, 3 rounds")
-        released, resumes, left = [], [], []
+        released, resumes, left, kept, befores = [], [], [], [], []
         for _ in range(3):
             before = node.cgroups.memory_current(ids[0])
+            befores.append(before)
             await node.sandbox_pause(ids[0], memory_snapshot=True)
             after = node.cgroups.memory_current(ids[0])
             released.append((before - after) / before if before else 0.0)
             left.append(node.cgroups.memory_breakdown(ids[0]))
+            # what the old cgroup still held when the backend made it anew (its charge
+            # went to the parent): the figure before that step, kept for comparison
+            ev = [e for e in await node.events(ids[0]) if e.kind == "paused"][-1]
+            kept.append(int(ev.detail.get("recycled_cgroup_bytes") or 0))
             t0 = time.perf_counter()
             await node.sandbox_resume(ids[0])
             r = await node.exec(ids[0], ExecRequest(cmd=["true"]))
@@ -130,6 +136,10 @@ async def microvm(
         # (shared with every reader; this VM read those pages first), the VMM is gone
         worst = left[released.index(min(released))]
         out["pause_left_mib"] = {k: round(v / (1 << 20), 1) for k, v in worst.items()}
+        out["pause_recycled_mib"] = round(max(kept) / (1 << 20), 1)
+        out["pause_released_before_recycle"] = round(
+            min((b - k) / b if b else 0.0 for b, k in zip(befores, kept, strict=True)), 3
+        )
         out["snapshot_resume_to_exec_ms"] = _ms(p50(resumes))
         out["snapshot_resume_vs_boot"] = round(p50(resumes) / p50(boots), 3)
         kids = min(count, 4)

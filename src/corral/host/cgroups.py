@@ -36,6 +36,25 @@ that grows with the count: a v1 cpuset with ``sched_load_balance`` (the default)
 the scheduler domains, walking every cpuset on the host, when it goes away. The sandbox
 stays in the node's cgroup of these (an OCI runtime still makes its own: crun/runc)."""
 _V2_CONTROLLERS = ("cpu", "memory", "pids", "io", "cpuset")
+_RECYCLED_V2 = (
+    "cpu.max",
+    "cpu.weight",
+    "memory.max",
+    "memory.high",
+    "memory.low",
+    "memory.min",
+    "memory.swap.max",
+    "pids.max",
+)
+_RECYCLED_V1 = (  # the limit before memsw: a new cgroup's memsw limit is unlimited
+    "memory.limit_in_bytes",
+    "memory.memsw.limit_in_bytes",
+    "memory.soft_limit_in_bytes",
+    "memory.swappiness",
+)
+"""Control files a recycled cgroup gets again (:meth:`Cgroups.recycle`): every one corral
+sets on a sandbox's cgroup (v2) or memory cgroup (v1)."""
+_RECYCLING = ".recycle"  # the sibling a recycled cgroup's processes wait in
 _CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
 
 
@@ -614,6 +633,73 @@ class Cgroups:
             out["idle"] = int(self._read(d / "cpu.idle"))
             out["group_idle"] = int(self._read(d.parent / "cpu.idle"))
         return out
+
+    # -- recycling (a memory-snapshot paused VM) ----------------------------------------
+
+    def _memory_root(self) -> Path:
+        return self.v2_root if self.mode == "v2" else self._ctrl["memory"]
+
+    def settings(self, name: str) -> dict[str, str]:
+        """The values of the control files corral sets on a sandbox's memory cgroup (v2:
+        its one cgroup, every controller), in the order :meth:`recycle` sets them again."""
+        d = self._dir("memory", name)
+        out = {}
+        for f in _RECYCLED_V2 if self.mode == "v2" else _RECYCLED_V1:
+            if (d / f).exists():
+                out[f] = self._read(d / f).strip()
+        return out
+
+    def recycle(self, name: str, settings: dict[str, str], timeout: float = 1.0) -> int:
+        """Make the memory cgroup of ``name`` anew, with no charge: its processes move to
+        a sibling ``<name>.recycle``, the cgroup is removed and made again with
+        ``settings`` (from :meth:`settings`), and the processes move back. What was still
+        charged to it (page cache that other cgroups' tasks map, memory its processes
+        allocated before) goes to the parent, as at a destroy: neither cgroup version
+        moves page cache with a process, and nothing uncharges it while it is in use.
+        Returns the bytes the old cgroup held when it was removed.
+
+        v2: the sandbox's one cgroup, so every controller's counters (CPU time, OOM kills,
+        refused forks) start again from 0; v1 and hybrid: the memory hierarchy only (its
+        OOM kill count starts again; CPU, pids and freezer cgroups are kept). For a sandbox
+        whose processes hold little (a microVM saved to a memory snapshot: the netns
+        holder alone). Cut short (the node died), :meth:`recycling` finds the sibling and
+        :meth:`finish_recycle` completes it. The removed cgroup lingers in the kernel (a
+        dying memcg) while pages charged to it stay cached, as a destroyed sandbox's does."""
+        d = self._dir("memory", name)
+        tmp = d.with_name(name + _RECYCLING)
+        # Safe: a new leaf cgroup beside the sandbox's, below corral's subtree.
+        tmp.mkdir(exist_ok=True)
+        for pid in self._read(d / "cgroup.procs").split():
+            self._write(tmp / "cgroup.procs", pid)
+        held = int(
+            self._read(d / ("memory.current" if self.mode == "v2" else "memory.usage_in_bytes"))
+        )
+        self._rmdir(d, timeout)
+        self.finish_recycle(name, settings, tmp)
+        return held
+
+    def recycling(self, name: str) -> Path | None:
+        """The sibling a :meth:`recycle` that was cut short left (its processes in it)."""
+        for top in self._tops():
+            tmp = self._memory_root() / top / (_check_name(name) + _RECYCLING)
+            if tmp.is_dir():
+                return tmp
+        return None
+
+    def finish_recycle(self, name: str, settings: dict[str, str], tmp: Path) -> None:
+        """The second half of :meth:`recycle`: the memory cgroup of ``name`` made (if it
+        is not) with ``settings``, the processes of ``tmp`` moved into it, ``tmp`` removed."""
+        d = tmp.with_name(_check_name(name))
+        # Safe: the sandbox's own cgroup again, below corral's subtree.
+        d.mkdir(exist_ok=True)
+        self._latency[name] = d.parent.name == self.latency_root
+        for f, value in settings.items():
+            if f not in _RECYCLED_V2 + _RECYCLED_V1:  # the names come from a state file
+                raise HostError(f"cgroups: {f!r} is not a control file a recycle sets")
+            self._write(d / f, value)
+        for pid in self._read(tmp / "cgroup.procs").split():
+            self._write(d / "cgroup.procs", pid)
+        self._rmdir(tmp, 1.0)
 
     # -- cleanup ----------------------------------------------------------------------
 

@@ -175,7 +175,8 @@ class Lifecycle:
                 lost.append(info)
                 continue
             self.table.add(info)
-            self.pauser.recovered(info)
+            saved = getattr(backend, "saved", None)  # a VM held in a memory snapshot
+            self.pauser.recovered(info, saved=saved is not None and saved(info.id))
             self.security.adopted(info.id)
         for backend in self.backends.all():
             await backend.recovered()

@@ -494,12 +494,17 @@ class Pauser:
                     elif cur is not None and thaw:
                         self._thaw(sandbox_id)
 
-    def recovered(self, info: SandboxInfo) -> SandboxInfo:
+    def recovered(self, info: SandboxInfo, saved: bool = False) -> SandboxInfo:
         """After an agent restart: a sandbox caught mid-pause or mid-resume gets its memory
         limit back (a reclaim cut short may have left it squeezed) and runs; a paused one
-        stays paused if its cgroup is still frozen."""
+        stays paused if its cgroup is still frozen, or if ``saved``: its backend holds it
+        in a memory snapshot (a microVM), which its first request or a resume restores
+        (its cgroup's limits are the backend's own, never squeezed: left alone)."""
         if info.state == "paused" and self._is_frozen(info.id):
             return info
+        if saved and info.state in ("pausing", "resuming", "paused"):
+            self._mem_paused.add(info.id)
+            return info if info.state == "paused" else self._set(info, "paused")
         if info.state == "running" and self._is_frozen(info.id):
             # Held frozen by a snapshot or fork (Pauser.frozen) when the agent died.
             with contextlib.suppress(CorralError):

@@ -46,7 +46,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corral.backends.base import (
     Backend,
@@ -99,6 +99,11 @@ class MicroVMBackend:
         # both start one; the second waits and finds the VMM running.
         self._restoring: dict[str, asyncio.Lock] = {}
         self._clients: dict[str, InitClient] = {}
+        self._cgroup_base: dict[str, dict[str, float]] = {}
+        """sandbox -> what its recycled cgroups counted (:meth:`_recycle_cgroup`)."""
+        self._recycles: dict[str, asyncio.Future[int | None]] = {}
+        """sandbox -> its cgroup recycle in progress (a destroy waits for it: else it could
+        remove the cgroup the recycle then makes again, with the holder in it)."""
         self._started = False
         self.accel = ""
         self.accel_detail = ""
@@ -247,7 +252,16 @@ class MicroVMBackend:
         return AgentFiles(self.agent(sandbox_id), self._loop)
 
     def meters(self, sandbox_id: str) -> Meters:
-        return CgroupMeters(self.ctx, sandbox_id)
+        return CgroupMeters(self.ctx, sandbox_id, self._base_of(sandbox_id))
+
+    def _base_of(self, sandbox_id: str) -> dict[str, float]:
+        """The counters of the sandbox's earlier cgroups (from its ``cgroup.json``)."""
+        base = self._cgroup_base.get(sandbox_id)
+        if base is None:
+            base = self._cgroup_base[sandbox_id] = _read_json(
+                self.dir(sandbox_id) / _CGROUP_FILE
+            ).get("base", {})
+        return base
 
     def vmm_pid(self, sandbox_id: str) -> int | None:
         """QEMU's pid (its -pidfile), if it is still a process of the sandbox's cgroup."""
@@ -473,6 +487,7 @@ class MicroVMBackend:
         """Reconnect to a running VM after a node restart (QEMU is free for a new client
         once the old node's connection closed); a VM saved to a memory snapshot gets its
         listener back and is restored on its first request."""
+        await asyncio.to_thread(self._finish_recycle, sandbox_id)
         if not self.alive(sandbox_id):
             return None
         saved = self.vmm_pid(sandbox_id) is None
@@ -518,6 +533,13 @@ class MicroVMBackend:
     async def destroy(self, sandbox_id: str, image: ImageInfo | None) -> None:
         errors: list[str] = []
         await self._drop_mux(sandbox_id)
+        self._cgroup_base.pop(sandbox_id, None)
+        recycle = self._recycles.get(sandbox_id)
+        with contextlib.suppress(Exception):
+            if recycle is not None:
+                await asyncio.shield(recycle)
+            # a recycle cut short: its processes back where kill_all finds them
+            await asyncio.to_thread(self._finish_recycle, sandbox_id)
         if not await self.kill_all(sandbox_id) and self.cgroups.exists(sandbox_id):
             errors.append("VMM: processes left in the cgroup after SIGKILL")
         for what, fn in (
@@ -582,14 +604,59 @@ class MicroVMBackend:
         while self.vmm_pid(sandbox_id) is not None:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(_drop_own_cache, d)
+        # before the release: a waiting request restores QEMU into the new cgroup
+        recycle = self._recycles[sandbox_id] = asyncio.ensure_future(
+            asyncio.to_thread(self._recycle_cgroup, sandbox_id)
+        )
+        recycle.add_done_callback(lambda _: self._recycles.pop(sandbox_id, None))
+        recycled = await asyncio.shield(recycle)
         if mux is not None:
             mux.release()
         return {
             "memory_snapshot": True,
             "snapshot_bytes": size,
+            "recycled_cgroup_bytes": recycled,
             "save_ms": round((time.monotonic() - t0) * 1000, 1),
             "migrate_ms": stats.get("total-time"),
         }
+
+    def _recycle_cgroup(self, sandbox_id: str) -> int | None:
+        """Once the VMM is gone: the sandbox's memory cgroup made anew
+        (:meth:`.Cgroups.recycle`), so what is still charged to it goes to the parent, as
+        at a destroy. That is the page cache of the layer files this VM read first (the
+        store's files, which the other VMs and containers using the layer map: no reclaim
+        can drop it while they do) and the holder's kernel memory. What the counters lost
+        with the old cgroup (CPU time, OOM kills, refused forks: what fell) goes into
+        ``cgroup.json`` so the meters go on from it. Returns the bytes the old cgroup held
+        (None: it could not be done; the pause stands)."""
+        d = self.dir(sandbox_id)
+        try:
+            settings = self.cgroups.settings(sandbox_id)
+            base = self._base_of(sandbox_id)
+            # the settings first: a node that dies half-way finishes from them (adopt)
+            _write_json(d / _CGROUP_FILE, {"settings": settings, "base": base})
+            before = _counters(CgroupMeters(self.ctx, sandbox_id))
+            held = self.cgroups.recycle(sandbox_id, settings)
+            after = _counters(CgroupMeters(self.ctx, sandbox_id))
+            base = {k: base.get(k, 0) + max(0, before[k] - after[k]) for k in before}
+            _write_json(d / _CGROUP_FILE, {"settings": settings, "base": base})
+            self._cgroup_base[sandbox_id] = base
+            return held
+        except (HostError, OSError) as e:  # the pause worked; only the accounting is worse
+            log.warning("recycling the cgroup of paused %s: %s", sandbox_id, e)
+            with contextlib.suppress(HostError, OSError):
+                self._finish_recycle(sandbox_id)
+            return None
+
+    def _finish_recycle(self, sandbox_id: str) -> None:
+        """Complete a :meth:`_recycle_cgroup` that was cut short (the node died in it, or a
+        step failed): the cgroup made again with its settings, the holder moved back."""
+        tmp = self.cgroups.recycling(sandbox_id)
+        if tmp is None:
+            return
+        settings = _read_json(self.dir(sandbox_id) / _CGROUP_FILE).get("settings", {})
+        log.warning("finishing the cgroup recycle of %s", sandbox_id)
+        self.cgroups.finish_recycle(sandbox_id, settings, tmp)
 
     async def restore(
         self, sandbox_id: str, timeout: float = 300.0, new_netns: bool = False
@@ -702,7 +769,15 @@ class MicroVMBackend:
         with phases.phase("rootfs"):
             undo.append(lambda: self.scratch.delete_subvol(sandbox_id))
             await in_thread(self.scratch.snapshot, base, sandbox_id, spec.limits.disk)
-            for stale in ("vmm.pid", "netns.pid", "console.log", "ctl.sock", "qmp.sock", "vm.sock"):
+            for stale in (
+                "vmm.pid",
+                "netns.pid",
+                "console.log",
+                "ctl.sock",
+                "qmp.sock",
+                "vm.sock",
+                _CGROUP_FILE,  # the parent's counters
+            ):
                 (d / stale).unlink(missing_ok=True)
             os.replace(d / _FORK, d / _SNAP)
         self.cgroups.create(
@@ -862,6 +937,7 @@ class MicroVMBackend:
 
 
 _SNAP = "mem.snap"
+_CGROUP_FILE = "cgroup.json"  # settings and counters of recycled cgroups (_recycle_cgroup)
 _SNAPSHOT_TIMEOUT = 600.0  # seconds for the guest to stream its upper dir out
 _TAR = "/.corral/tar"  # corral-tar in the guest (the initramfs puts it there)
 _UPPER = "/.corral/upper"  # the guest's overlay upper dir, bound read-only
@@ -932,6 +1008,34 @@ def _drop_own_cache(d: Path) -> None:
             log.warning("dropping the page cache of %s/%s: %s", d.name, name, e)
         finally:
             os.close(fd)
+
+
+def _counters(m: CgroupMeters) -> dict[str, float]:
+    """The cumulative counters of a sandbox's cgroups (what a recycle may reset)."""
+    return {
+        "cpu_seconds": m.cpu_seconds or 0.0,
+        "oom_kills": m.oom_kills or 0,
+        "pids_refused": m.pids_refused or 0,
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; {} if it is missing or not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """``data`` into ``path`` whole or not at all (a temporary file renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    # Safe: a file of the node's in the sandbox's own dir (root's, 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def _make_disk(path: Path, size: int) -> None:
