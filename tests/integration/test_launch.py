@@ -667,6 +667,68 @@ async def test_spawn_server_restarts_and_goes_with_the_node(images_ready) -> Non
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+_LIMIT_FILES = {
+    "memory": ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.swappiness"],
+    "cpu": ["cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares"],
+    "pids": ["pids.max"],
+    "freezer": ["freezer.state"],
+}
+
+
+def _limit_files(cg, sid: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    out = {}
+    for ctrl, names in _LIMIT_FILES.items():
+        for f in names:
+            p = cg.control_file(ctrl, sid, f)
+            out[f] = p.read_text() if p.exists() else "-"
+    out["devices.list"] = (cg.devices_dir(sid) / "devices.list").read_text()
+    return out
+
+
+async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """v1: the node keeps pre-made cgroups of the limits it last created (host/cgroups.py,
+    CgroupPool); a create of those limits gets one, renamed, with every limit file as a
+    cgroup made at create has it; other limits make their own; the pool refills, and
+    nothing of it is left after close."""
+    from corral.host.launch import POOL_SIZE
+
+    dirs = _dirs("lpl")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        cg = n.cgroups
+        pool = n.backends.get("container").runtime.pool  # type: ignore[union-attr]
+        if cg.mode == "v2":
+            assert pool is None  # cgroup2 cannot rename a cgroup
+            pytest.skip("v1 and hybrid only")
+        assert pool is not None and cg.pooled() == []
+        limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
+        async with sandbox(n, limits=limits) as made:
+            assert pool.taken == 0
+            assert await asyncio.to_thread(pool.wait_full, 60)
+            premade = cg.pooled()
+            assert len(premade) == POOL_SIZE and made not in premade
+            async with sandbox(n, limits=limits) as sid:
+                assert pool.taken == 1 and sid not in cg.pooled() and sid in cg.list()
+                assert _limit_files(cg, sid) == _limit_files(cg, made)
+                assert cg.control_file("cpu", sid, "cpu.cfs_quota_us").read_text() == "50000\n"
+                assert cg.control_file("pids", sid, "pids.max").read_text() == "40\n"
+                pid = n.backends.get("container").init_pid(sid)  # type: ignore[union-attr]
+                assert pid in cg.procs(sid)
+                r = await sh(n, sid, "cat /proc/self/cgroup; head -c 1 /dev/null && echo ok")
+                out = r.stdout.decode().splitlines()
+                assert out[-1] == "ok" and all(ln.endswith(":/") for ln in out[:-1]), r
+            async with sandbox(n, limits=Limits(cpus=0.5, memory=64 << 20, pids=40)) as other:
+                assert pool.taken == 1
+                assert int(
+                    cg.control_file("memory", other, "memory.limit_in_bytes").read_text()
+                ) == (64 << 20)
+            assert await asyncio.to_thread(pool.wait_full, 60)
+            assert len(cg.pooled()) == 2 * POOL_SIZE  # two limits' pools, both full
+            assert set(cg.list()) == {made}
+    assert cg.pooled() == []
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 async def test_direct_spawn_still_works(images_ready, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``CORRAL_LAUNCH_SPAWN=direct`` (the A/B hook): the node starts the launcher itself."""
     from corral.host import launch
