@@ -95,6 +95,9 @@ POOL_SIZE = 16
 """Pre-made cgroups per limits (:class:`CgroupPool`); the node keeps two limits' pools."""
 FAULT_ENV = "CORRAL_LAUNCH_FAULT"
 """Test hook: the name of a launcher step (see corral-launch.c) before which it crashes."""
+POOL_ENV = "CORRAL_CGROUP_POOL"
+"""Bench hook: ``SIZE[,QUIET_MS]`` sets the pool's size per limits (0: no pool) and how
+long after the last create its filler waits (default ``16,50``)."""
 SPAWN_ENV = "CORRAL_LAUNCH_SPAWN"
 """Bench/test hook: ``direct`` makes the node posix_spawn each launcher itself (the path
 before the spawn server, kept for A/B measurements and as the fallback)."""
@@ -493,11 +496,19 @@ class Launcher:
 
     # -- cgroups ----------------------------------------------------------------------
 
-    def start_pool(self, size: int = POOL_SIZE) -> None:
+    def start_pool(self) -> None:
         """Hand out pre-made sandbox cgroups at create (see :class:`CgroupPool`); v1 and
         hybrid only (cgroup2 cannot rename a cgroup). Stopped by :meth:`close`."""
+        size, quiet = POOL_SIZE, 0.05
+        spec = os.environ.get(POOL_ENV)
+        if spec:
+            try:
+                parts = [int(x) for x in spec.split(",")]
+                size, quiet = parts[0], (parts[1] / 1000 if len(parts) > 1 else quiet)
+            except (ValueError, IndexError):
+                raise HostError(f"{POOL_ENV}={spec!r}: want SIZE[,QUIET_MS]") from None
         if self.pool is None and self.cgroups.mode != "v2" and size > 0:
-            self.pool = CgroupPool(self.cgroups, size=size)
+            self.pool = CgroupPool(self.cgroups, size=size, quiet=quiet)
             self.pool.start()
 
     def make_cgroup(
