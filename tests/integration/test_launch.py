@@ -729,6 +729,43 @@ async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ign
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+async def test_hung_spawn_server_is_killed_and_replaced(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """A spawn server that does not answer (stopped here) fails the create that waits on
+    it with an error saying so, is killed, and the next create starts a new one; the
+    failed create leaves nothing behind."""
+    import signal
+
+    from corral.host import spawnd
+
+    dirs = _dirs("lsh")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        server = n.backends.get("container").runtime.spawn_server()  # type: ignore[union-attr]
+        assert server is not None
+        first = server.pid
+        server.timeout = 0.5
+        os.kill(first, signal.SIGSTOP)
+        try:
+            with pytest.raises(Exception, match="did not answer within 0.5s"):
+                await n.sandbox_create(SandboxSpec(image=BUSYBOX))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGCONT)
+        assert server.hangs == 1 and server.restarts == 1
+        assert not os.path.exists(f"/proc/{first}")  # killed and reaped
+        server.timeout = spawnd.SPAWN_TIMEOUT
+        assert n.cgroups.list() == [] and await n.sandbox_list() == []
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo again")).stdout == b"again\n"
+        second = server.pid
+        assert second not in (-1, first)
+        # A server that does not exit at the node's close is killed there.
+        server.timeout = 0.5
+        os.kill(second, signal.SIGSTOP)
+    assert not os.path.exists(f"/proc/{second}")
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 async def test_direct_spawn_still_works(images_ready, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``CORRAL_LAUNCH_SPAWN=direct`` (the A/B hook): the node starts the launcher itself."""
     from corral.host import launch
