@@ -729,6 +729,25 @@ async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ign
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+async def test_a_crashed_nodes_premade_cgroups_go_at_start(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """Pre-made cgroups a node left (it died without its close) are removed when the next
+    node on the subtree starts, and are never taken for sandboxes."""
+    from corral.host.cgroups import POOL_PREFIX, Cgroups
+
+    dirs = _dirs("lpc")
+    cg = Cgroups(dirs["cgroup_subtree"])
+    if cg.mode == "v2":
+        pytest.skip("v1 and hybrid only")
+    left = f"{POOL_PREFIX}1.0"
+    cg._make(left, 1.0, 64 << 20, 64, 0, False, None)
+    assert cg.pooled() == [left] and cg.list() == []
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        assert n.cgroups.pooled() == [] and await n.gc() is not None
+        assert n.cgroups.list() == []
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 async def test_hung_spawn_server_is_killed_and_replaced(images_ready) -> None:  # type: ignore[no-untyped-def]
     """A spawn server that does not answer (stopped here) fails the create that waits on
     it with an error saying so, is killed, and the next create starts a new one; the
