@@ -667,6 +667,124 @@ async def test_spawn_server_restarts_and_goes_with_the_node(images_ready) -> Non
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+_LIMIT_FILES = {
+    "memory": ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.swappiness"],
+    "cpu": ["cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares"],
+    "pids": ["pids.max"],
+    "freezer": ["freezer.state"],
+}
+
+
+def _limit_files(cg, sid: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    out = {}
+    for ctrl, names in _LIMIT_FILES.items():
+        for f in names:
+            p = cg.control_file(ctrl, sid, f)
+            out[f] = p.read_text() if p.exists() else "-"
+    out["devices.list"] = (cg.devices_dir(sid) / "devices.list").read_text()
+    return out
+
+
+async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """v1: the node keeps pre-made cgroups of the limits it last created (host/cgroups.py,
+    CgroupPool); a create of those limits gets one, renamed, with every limit file as a
+    cgroup made at create has it; other limits make their own; the pool refills, and
+    nothing of it is left after close."""
+    from corral.host.launch import POOL_SIZE
+
+    dirs = _dirs("lpl")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        cg = n.cgroups
+        pool = n.backends.get("container").runtime.pool  # type: ignore[union-attr]
+        if cg.mode == "v2":
+            assert pool is None  # cgroup2 cannot rename a cgroup
+            pytest.skip("v1 and hybrid only")
+        assert pool is not None and cg.pooled() == []
+        limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
+        async with sandbox(n, limits=limits) as made:
+            assert pool.taken == 0
+            assert await asyncio.to_thread(pool.wait_full, 60)
+            premade = cg.pooled()
+            assert len(premade) == POOL_SIZE and made not in premade
+            async with sandbox(n, limits=limits) as sid:
+                assert pool.taken == 1 and sid not in cg.pooled() and sid in cg.list()
+                assert _limit_files(cg, sid) == _limit_files(cg, made)
+                assert cg.control_file("cpu", sid, "cpu.cfs_quota_us").read_text() == "50000\n"
+                assert cg.control_file("pids", sid, "pids.max").read_text() == "40\n"
+                pid = n.backends.get("container").init_pid(sid)  # type: ignore[union-attr]
+                assert pid in cg.procs(sid)
+                r = await sh(n, sid, "cat /proc/self/cgroup; head -c 1 /dev/null && echo ok")
+                out = r.stdout.decode().splitlines()
+                assert out[-1] == "ok" and all(ln.endswith(":/") for ln in out[:-1]), r
+            async with sandbox(n, limits=Limits(cpus=0.5, memory=64 << 20, pids=40)) as other:
+                assert pool.taken == 1
+                assert int(
+                    cg.control_file("memory", other, "memory.limit_in_bytes").read_text()
+                ) == (64 << 20)
+            assert await asyncio.to_thread(pool.wait_full, 60)
+            assert len(cg.pooled()) == 2 * POOL_SIZE  # two limits' pools, both full
+            assert set(cg.list()) == {made}
+    assert cg.pooled() == []
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
+async def test_a_crashed_nodes_premade_cgroups_go_at_start(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """Pre-made cgroups a node left (it died without its close) are removed when the next
+    node on the subtree starts, and are never taken for sandboxes."""
+    from corral.host.cgroups import POOL_PREFIX, Cgroups
+
+    dirs = _dirs("lpc")
+    cg = Cgroups(dirs["cgroup_subtree"])
+    if cg.mode == "v2":
+        pytest.skip("v1 and hybrid only")
+    left = f"{POOL_PREFIX}1.0"
+    cg._make(left, 1.0, 64 << 20, 64, 0, False, None)
+    assert cg.pooled() == [left] and cg.list() == []
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        assert n.cgroups.pooled() == [] and await n.gc() is not None
+        assert n.cgroups.list() == []
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
+async def test_hung_spawn_server_is_killed_and_replaced(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """A spawn server that does not answer (stopped here) fails the create that waits on
+    it with an error saying so, is killed, and the next create starts a new one; the
+    failed create leaves nothing behind."""
+    import signal
+
+    from corral.host import spawnd
+
+    dirs = _dirs("lsh")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        server = n.backends.get("container").runtime.spawn_server()  # type: ignore[union-attr]
+        assert server is not None
+        first = server.pid
+        server.timeout = 0.5
+        os.kill(first, signal.SIGSTOP)
+        try:
+            with pytest.raises(Exception, match="did not answer within 0.5s"):
+                await n.sandbox_create(SandboxSpec(image=BUSYBOX))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGCONT)
+        assert server.hangs == 1 and server.restarts == 1
+        assert not os.path.exists(f"/proc/{first}")  # killed and reaped
+        server.timeout = spawnd.SPAWN_TIMEOUT
+        assert n.cgroups.list() == [] and await n.sandbox_list() == []
+        async with sandbox(n) as sid:
+            assert (await sh(n, sid, "echo again")).stdout == b"again\n"
+        second = server.pid
+        assert second not in (-1, first)
+        # A server that does not exit at the node's close is killed there.
+        server.timeout = 0.5
+        os.kill(second, signal.SIGSTOP)
+    assert not os.path.exists(f"/proc/{second}")
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 async def test_direct_spawn_still_works(images_ready, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``CORRAL_LAUNCH_SPAWN=direct`` (the A/B hook): the node starts the launcher itself."""
     from corral.host import launch

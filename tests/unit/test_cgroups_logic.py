@@ -1166,3 +1166,137 @@ def test_recycle_cut_short_is_finished(make_kernel: KernelFactory) -> None:
     fresh.finish_recycle("sb-1", settings, tmp)
     assert fresh.procs("sb-1") == [99] and fresh.settings("sb-1") == settings
     assert fresh.recycling("sb-1") is None and fresh.list() == ["sb-1"]
+
+
+# -- the pool of pre-made cgroups (CgroupPool) ----------------------------------------------
+
+_POOL_LIMITS: dict[str, Any] = dict(cpus=0.5, memory=96 << 20, pids=40, swap=0)
+
+
+def _pool(cg: Cgroups, size: int = 3, keys: int = 2) -> cgmod.CgroupPool:
+    pool = cgmod.CgroupPool(cg, size=size, keys=keys, quiet=0)
+    pool.start()
+    return pool
+
+
+def _assert_limits(k: FakeKernel, name: str, cpus: float, memory: int, pids: int) -> None:
+    assert read(k.path("memory") / "corral" / name / "memory.limit_in_bytes") == str(memory)
+    assert read(k.path("memory") / "corral" / name / "memory.memsw.limit_in_bytes") == str(memory)
+    assert read(k.path("pids") / "corral" / name / "pids.max") == str(pids)
+    quota = read(k.path("cpu") / "corral" / name / "cpu.cfs_quota_us")
+    assert quota == str(int(cpus * 100_000))
+    assert (k.path("freezer") / "corral" / name).is_dir()
+
+
+def test_pool_hands_out_premade_cgroups(make_kernel: KernelFactory, v1mode: str) -> None:
+    k = make_kernel(v1mode)
+    cg = open_cg(k, "mountinfo")
+    pool = _pool(cg)
+    try:
+        # The first create of these limits makes its own and gives them a pool.
+        assert pool.create("sb-1", **_POOL_LIMITS) is False
+        assert pool.wait_full(10)
+        premade = cg.pooled()
+        assert len(premade) == 3 and all(n.startswith(cgmod.POOL_PREFIX) for n in premade)
+        assert cg.list() == ["sb-1"]  # gc and the leak checks never see the pool's
+        for n in premade:
+            _assert_limits(k, n, 0.5, 96 << 20, 40)
+        # The next is one of them, renamed in every hierarchy, with the same limits.
+        mkdirs = len(k.mkdirs)
+        assert pool.create("sb-2", **_POOL_LIMITS) is True
+        assert pool.taken == 1
+        _assert_limits(k, "sb-2", 0.5, 96 << 20, 40)
+        assert cg.list() == ["sb-1", "sb-2"] and cg.exists("sb-2")
+        assert pool.wait_full(10) and len(cg.pooled()) == 3  # topped up again
+        assert len(k.mkdirs) > mkdirs  # by the filler
+        # Other limits: made as before, and a pool of their own.
+        other = dict(_POOL_LIMITS, pids=41)
+        assert pool.create("sb-3", **other) is False
+        _assert_limits(k, "sb-3", 0.5, 96 << 20, 41)
+        assert pool.wait_full(10) and len(cg.pooled()) == 6
+        # A third limits: the least recently used pool (pids 40) goes.
+        assert pool.create("sb-4", **dict(_POOL_LIMITS, memory=64 << 20)) is False
+        assert pool.wait_full(10) and len(cg.pooled()) == 6
+        assert pool.create("sb-5", **_POOL_LIMITS) is False  # and pids 41's goes
+        assert pool.wait_full(10) and len(cg.pooled()) == 6
+        assert pool.create("sb-6", **other) is False
+        assert pool.create("sb-7", **dict(_POOL_LIMITS, memory=64 << 20)) is False
+        assert pool.wait_full(10)
+        assert pool.create("sb-8", **other) is True
+        cg.remove("sb-8")
+        assert pool.create("sb-8", **other) is True  # a removed name can be taken again
+    finally:
+        pool.close()
+    assert cg.pooled() == []
+    assert cg.list() == [f"sb-{i}" for i in range(1, 9)]
+
+
+def test_pool_latency_class_and_refusals(make_kernel: KernelFactory) -> None:
+    k = make_kernel("v1")
+    cg = open_cg(k, "mountinfo")
+    pool = _pool(cg, size=1)
+    try:
+        assert pool.create("sb-1", latency=True, **_POOL_LIMITS) is False
+        assert pool.wait_full(10)
+        assert pool.create("sb-2", latency=True, **_POOL_LIMITS) is True
+        assert (k.path("memory") / cg.latency_root / "sb-2").is_dir()
+        assert cg.control_file("memory", "sb-2", "x").parent.parent.name == cg.latency_root
+        # A best-effort create of the same limits is another pool.
+        assert pool.create("sb-3", **_POOL_LIMITS) is False
+        with pytest.raises(HostError, match="the node's own"):
+            pool.create(cgmod.POOL_PREFIX + "1.1", **_POOL_LIMITS)
+        with pytest.raises(HostError, match="the node's own"):
+            cg.create(cgmod.POOL_PREFIX + "1.1", **_POOL_LIMITS)
+    finally:
+        pool.close()
+
+
+def test_pool_rename_failure_makes_the_cgroup_instead(make_kernel: KernelFactory) -> None:
+    """A rename refused half way (here: the name exists in one hierarchy) is undone, the
+    pre-made cgroup goes, and the create makes the cgroup as without a pool."""
+    k = make_kernel("v1")
+    cg = open_cg(k, "mountinfo")
+    pool = _pool(cg, size=1)
+    try:
+        pool.create("sb-1", **_POOL_LIMITS)
+        assert pool.wait_full(10)
+        [premade] = cg.pooled()
+        (k.path("pids") / "corral" / "sb-2").mkdir()  # rename(2) onto it: refused
+        assert pool.create("sb-2", **_POOL_LIMITS) is False
+        assert premade not in cg.pooled()
+        _assert_limits(k, "sb-2", 0.5, 96 << 20, 40)
+        assert cg.list() == ["sb-1", "sb-2"]
+    finally:
+        pool.close()
+    assert cg.pooled() == []
+
+
+def test_pool_start_removes_a_crashed_nodes_cgroups(make_kernel: KernelFactory) -> None:
+    k = make_kernel("hybrid")
+    cg = open_cg(k, "mountinfo")
+    cg.create("sb-1", **_POOL_LIMITS)
+    cg._make(cgmod.POOL_PREFIX + "999.0", 0.5, 96 << 20, 40, 0, False, None)
+    assert cg.pooled() == [cgmod.POOL_PREFIX + "999.0"]
+    pool = _pool(cg)
+    assert cg.pooled() == [] and cg.list() == ["sb-1"]
+    pool.close()
+
+
+def test_pool_is_off_on_v2(make_kernel: KernelFactory) -> None:
+    """cgroup2 refuses rename(2): the pool makes every cgroup as Cgroups.create does."""
+    k = make_kernel("v2")
+    cg = open_cg(k, "mountinfo")
+    pool = _pool(cg)
+    try:
+        assert not pool.enabled
+        assert pool.create("sb-1", **_POOL_LIMITS) is False
+        assert pool.create("sb-2", **_POOL_LIMITS) is False
+        assert cg.pooled() == [] and cg.list() == ["sb-1", "sb-2"]
+    finally:
+        pool.close()
+
+
+def test_pool_bad_sizes(make_kernel: KernelFactory) -> None:
+    cg = open_cg(make_kernel("v1"), "mountinfo")
+    with pytest.raises(HostError, match="size and keys"):
+        cgmod.CgroupPool(cg, size=0)

@@ -135,6 +135,8 @@ class ContainerBackend:
             if not self.host_mounted_root:
                 # On the init's tmpfs: one read-only /sys/fs/cgroup tree for every sandbox.
                 self.launcher.use_cgroup_tree(self.init_path.parent / "cgroup")
+                # Pre-made cgroups renamed at create; runtime.close() removes them.
+                await asyncio.to_thread(self.launcher.start_pool)
             self.userns = UserNamespace.create(ctx.host_uid, ctx.id_count)
             opened.append(self.userns.close)
             resolve: Callable[[str], Path] = ctx.store.path_of

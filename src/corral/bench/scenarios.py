@@ -213,6 +213,23 @@ async def _warm_up(client: AsyncClient, img: ImageInfo) -> None:
         await _true(sb)
     finally:
         await sb.destroy()
+    await _settled(client)
+
+
+async def _cgroup_pool(client: AsyncClient) -> Any:
+    """The node's pool of pre-made cgroups (host/cgroups.py, CgroupPool), if it has one
+    (an embedded node with the launcher on cgroup v1)."""
+    backends = getattr(await client._get_ops(), "backends", None)
+    runtime = getattr(backends.get("container"), "runtime", None) if backends else None
+    return getattr(runtime, "pool", None)
+
+
+async def _settled(client: AsyncClient) -> None:
+    """Wait until the node's pre-made cgroups of the warm-up's limits are made, as on a
+    node that has been up for a while."""
+    pool = await _cgroup_pool(client)
+    if pool is not None:
+        await asyncio.to_thread(pool.wait_full, 60.0)
 
 
 async def _create_n(
@@ -289,6 +306,9 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
                 t = await _create_n(client, img, count, concurrency, sbs, True, "create")
                 # Per create + exec(true): where the node's 2 cores go, whatever the load.
                 out["cpu_ms_per_create"] = cpu.per_op(count - len(t.errors))
+                pool = await _cgroup_pool(client)
+                if pool is not None:  # creates that got a pre-made cgroup
+                    out["cgroup_pool"] = {"size": pool.size, "taken": pool.taken}
                 out["phases_ms"] = await _create_phases(client, "create", since)
                 # Serial creates vary by several ms here: 100 of each (interleaved in
                 # blocks) resolve a 2% difference where 20 did not.

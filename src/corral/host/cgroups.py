@@ -16,17 +16,31 @@ Example::
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import errno
+import itertools
+import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 from corral.errors import HostError
 from corral.host._sys import errtext
 
-__all__ = ["detect_mode", "latency_root_of", "Cgroups", "V1_CONTROLLERS"]
+__all__ = [
+    "detect_mode",
+    "latency_root_of",
+    "Cgroups",
+    "CgroupPool",
+    "POOL_PREFIX",
+    "V1_CONTROLLERS",
+]
+
+log = logging.getLogger(__name__)
 
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "blkio", "cpuset")
 _V1_NO_SANDBOX_CGROUP = frozenset({"blkio", "cpuset"})
@@ -56,6 +70,11 @@ _RECYCLED_V1 = (  # the limit before memsw: a new cgroup's memsw limit is unlimi
 sets on a sandbox's cgroup (v2) or memory cgroup (v1)."""
 _RECYCLING = ".recycle"  # the sibling a recycled cgroup's processes wait in
 _CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
+POOL_PREFIX = "_pool."
+"""Name prefix of the node's pre-made cgroups (:class:`CgroupPool`): no sandbox id starts
+with ``_`` (``sb-...``), :meth:`Cgroups.create` refuses it, and :meth:`Cgroups.list` (gc,
+the leak checks) leaves these out: they are the node's, removed at its close and at the
+next pool start after a crash."""
 
 
 _ROOT = Path("/sys/fs/cgroup")
@@ -131,6 +150,11 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _check_sandbox_name(name: str) -> None:
+    if name.startswith(POOL_PREFIX):
+        raise HostError(f"cgroups: {name!r}: the prefix {POOL_PREFIX!r} is the node's own")
+
+
 class Cgroups:
     """corral's cgroups below ``subtree`` in every hierarchy."""
 
@@ -172,6 +196,8 @@ class Cgroups:
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
         self.all_roots: list[Path] = []
+        self.devices_root: Path | None = None
+        """v1: the devices hierarchy (None on v2, or where it is not mounted)."""
         if self.mode == "v2":
             v2 = [Path(p) for t, p, _ in mounts if t == "cgroup2"]
             if not v2:
@@ -198,6 +224,8 @@ class Cgroups:
             for ctrl in V1_CONTROLLERS:
                 if ctrl in opts and ctrl not in self._ctrl:
                     self._ctrl[ctrl] = Path(point)
+            if "devices" in opts and self.devices_root is None:
+                self.devices_root = Path(point)
         missing = [c for c in ("memory", "pids", "cpu", "freezer") if c not in self._ctrl]
         if missing:
             raise HostError(f"cgroups v1: controllers not mounted: {', '.join(missing)}")
@@ -290,6 +318,8 @@ class Cgroups:
             self._ensure_v2_top(top)
             cpu = self.v2_root / top
         else:
+            if self.devices_root is not None:
+                (self.devices_root / top).mkdir(exist_ok=True)
             for ctrl, root in self._ctrl.items():
                 d = root / top
                 d.mkdir(exist_ok=True)
@@ -344,10 +374,27 @@ class Cgroups:
         pids: int,
         swap: int | None = 0,
         latency: bool = False,
+        devices: Sequence[str] | None = None,
     ) -> None:
         """Create cgroup ``name`` (under the latency root with ``latency``) with limits:
         ``cpus`` (<=0: none), ``memory`` bytes, ``pids`` (max tasks), ``swap`` bytes beyond
-        memory (None: unlimited)."""
+        memory (None: unlimited); with ``devices`` (v1 only) a devices cgroup too, denying
+        every device but these ``devices.allow`` rules."""
+        _check_sandbox_name(name)
+        self._make(name, cpus, memory, pids, swap, latency, devices)
+
+    def _make(
+        self,
+        name: str,
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None,
+        latency: bool,
+        devices: Sequence[str] | None,
+    ) -> None:
+        if devices is not None and self.devices_root is None:
+            raise HostError(f"cgroups {self.mode}: no devices hierarchy for a device list")
         self.prepare(latency)
         top = self.latency_root if latency else self.subtree
         self._latency[_check_name(name)] = latency
@@ -356,9 +403,56 @@ class Cgroups:
                 self._create_v2(top, name, cpus, memory, pids, swap)
             else:
                 self._create_v1(top, name, cpus, memory, pids, swap)
+            if devices is not None:
+                self._create_devices(top, name, devices)
         except BaseException:
             self.remove(name)
             raise
+
+    def _create_devices(self, top: str, name: str, rules: Sequence[str]) -> None:
+        assert self.devices_root is not None
+        d = self.devices_root / top / name
+        d.mkdir(exist_ok=True)
+        # Safe: device rules of corral's own sandbox cgroup (a new one inherits its parent's).
+        self._write(d / "devices.deny", "a")
+        for rule in rules:
+            self._write(d / "devices.allow", rule)
+
+    def devices_dir(self, name: str, latency: bool = False) -> Path:
+        """v1: the devices cgroup of sandbox ``name`` (made by :meth:`create` with devices)."""
+        if self.devices_root is None:
+            raise HostError(f"cgroups {self.mode}: no devices hierarchy")
+        return self.devices_root / (self.latency_root if latency else self.subtree) / name
+
+    def _hierarchies(self, devices: bool) -> list[Path]:
+        """v1: the distinct hierarchy roots a sandbox made by :meth:`create` has a cgroup
+        in (cpu and cpuacct share one), the devices one with ``devices``."""
+        roots = list(dict.fromkeys(self._ctrl[c] for c in self._own()))
+        if devices and self.devices_root is not None:
+            roots.append(self.devices_root)
+        return roots
+
+    def rename_pooled(self, pooled: str, name: str, latency: bool, devices: bool) -> None:
+        """v1: rename the pre-made cgroup ``pooled`` to ``name`` in every hierarchy it is
+        in (rename(2) among siblings; cgroup2 refuses it, EPERM). On an error the
+        hierarchies renamed so far are renamed back, and the error is raised."""
+        top = self.latency_root if latency else self.subtree
+        _check_name(name)
+        done: list[Path] = []
+        try:
+            for root in self._hierarchies(devices):
+                # Safe: two names below corral's own top cgroup; the target must not exist
+                # (kernfs refuses to replace one: EEXIST).
+                os.rename(root / top / pooled, root / top / name)
+                done.append(root / top)
+        except OSError as e:
+            for d in reversed(done):
+                with contextlib.suppress(OSError):
+                    os.rename(d / name, d / pooled)
+            raise HostError(
+                f"cgroups: renaming {pooled} to {name}: {errtext(e.errno or 0)}"
+            ) from None
+        self._latency[name] = latency
 
     def _own(self) -> list[str]:
         """v1: the controllers a sandbox made by :meth:`create` has a cgroup of its own in
@@ -743,7 +837,15 @@ class Cgroups:
                 time.sleep(0.005)
 
     def list(self) -> list[str]:
-        """Names of sandbox cgroups under the subtree in any hierarchy (for gc / leaks)."""
+        """Names of sandbox cgroups under the subtree in any hierarchy (for gc / leaks);
+        not the node's pre-made ones (:data:`POOL_PREFIX`, see :meth:`pooled`)."""
+        return [n for n in self._children() if not n.startswith(POOL_PREFIX)]
+
+    def pooled(self) -> builtins.list[str]:
+        """Names of the pre-made cgroups (:class:`CgroupPool`) under the subtree."""
+        return [n for n in self._children() if n.startswith(POOL_PREFIX)]
+
+    def _children(self) -> builtins.list[str]:
         names: set[str] = set()
         for d in self._dirs(None):
             try:
@@ -765,3 +867,209 @@ class Cgroups:
                     raise HostError(
                         f"cgroups: cannot remove {d}: {errtext(e.errno or 0)}"
                     ) from None
+
+
+_PoolKey = tuple[bool, float, int, int | None, int, tuple[str, ...] | None]
+"""(latency, cpus, memory, swap, pids, device rules): :meth:`Cgroups.create`'s arguments."""
+
+
+class CgroupPool:
+    """Sandbox cgroups made ahead, with their limits written, renamed to the sandbox's name
+    at create (v1 and hybrid: cgroup2 refuses rename(2); there :meth:`create` is
+    :meth:`Cgroups.create`).
+
+    A create's cgroup work on v1 is a mkdir in four hierarchies (five with devices) and
+    the limit writes, one of which (the CFS quota) walks every cpu cgroup on the host: it
+    grows with the live count. With the pool a create is one rename per hierarchy. Pools
+    are kept per limits (:data:`_PoolKey`) for the ``keys`` limits created most recently,
+    ``size`` cgroups each; a create with other limits, or an empty pool, makes its cgroup
+    as :meth:`Cgroups.create` does, and its limits get a pool. A filler thread at nice 19
+    tops the pools up once no create has come for ``quiet`` seconds (so its mkdirs do not
+    meet a burst's under the cgroup mutex), one cgroup at a time.
+
+    Example::
+
+        pool = CgroupPool(cg, size=16)
+        pool.start()                     # removes a crashed node's pre-made cgroups
+        pool.create("sb-1", cpus=1.0, memory=512 << 20, pids=256)   # False: made
+        pool.wait_full(5.0)
+        pool.create("sb-2", cpus=1.0, memory=512 << 20, pids=256)   # True: renamed
+        pool.close()                     # the pre-made cgroups go
+    """
+
+    def __init__(
+        self, cgroups: Cgroups, *, size: int = 16, keys: int = 2, quiet: float = 0.05
+    ) -> None:
+        if size < 1 or keys < 1:
+            raise HostError(f"cgroup pool: size and keys must be >= 1 (got {size}, {keys})")
+        self.cgroups = cgroups
+        self.size, self.keys, self.quiet = size, keys, quiet
+        self.enabled = cgroups.mode != "v2"
+        self._cond = threading.Condition()
+        self._ready: dict[_PoolKey, list[str]] = {}
+        """limits -> the pre-made cgroups' names; in order of last use (the last is newest)."""
+        self._evicted: list[tuple[_PoolKey, list[str]]] = []
+        self._seq = itertools.count()
+        self._last = 0.0  # monotonic time of the last create
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._failed = False
+        self.taken = 0
+        """Creates that got a pre-made cgroup (for tests and benches)."""
+        self.made = 0
+        """Cgroups the filler made."""
+
+    @staticmethod
+    def key(
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None,
+        latency: bool,
+        devices: Sequence[str] | None,
+    ) -> _PoolKey:
+        return (latency, cpus, memory, swap, pids, None if devices is None else tuple(devices))
+
+    def start(self) -> None:
+        """Remove pre-made cgroups a crashed node left, and start the filler."""
+        if not self.enabled or self._thread is not None:
+            return
+        self._remove_all()
+        self._stop = False
+        self._thread = threading.Thread(target=self._fill, name="cgroup-pool", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the filler and remove every pre-made cgroup."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            thread.join()
+        with self._cond:
+            self._ready.clear()
+            self._evicted.clear()
+        if self.enabled:
+            self._remove_all()
+
+    def _remove_all(self) -> None:
+        for name in self.cgroups.pooled():
+            try:
+                self.cgroups.remove(name)
+            except HostError as e:  # left for the next start; never a sandbox's
+                log.warning("cgroup pool: %s", e.message)
+
+    def create(
+        self,
+        name: str,
+        *,
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None = 0,
+        latency: bool = False,
+        devices: Sequence[str] | None = None,
+    ) -> bool:
+        """Cgroup ``name`` as :meth:`Cgroups.create` makes it; True if it was pre-made."""
+        _check_sandbox_name(name)
+        key = None
+        if self.enabled and self._thread is not None:
+            key = self.key(cpus, memory, pids, swap, latency, devices)
+            pooled = self._take(key)
+            if pooled is not None:
+                try:
+                    self.cgroups.rename_pooled(pooled, name, latency, devices is not None)
+                except HostError as e:
+                    log.warning("cgroup pool: %s; making %s instead", e.message, name)
+                    with contextlib.suppress(HostError):
+                        self.cgroups.remove(pooled)
+                else:
+                    self.cgroups._latency.pop(pooled, None)
+                    with self._cond:
+                        self.taken += 1
+                    return True
+        self.cgroups.create(
+            name, cpus=cpus, memory=memory, pids=pids, swap=swap, latency=latency, devices=devices
+        )
+        if key is not None:
+            self._want(key)
+        return False
+
+    def _take(self, key: _PoolKey) -> str | None:
+        with self._cond:
+            self._last = time.monotonic()
+            self._failed = False
+            ready = self._ready.get(key)
+            if ready is None:
+                return None  # a pool for these limits once this create made its cgroup
+            self._ready[key] = self._ready.pop(key)  # now the most recently used
+            self._cond.notify_all()
+            return ready.pop() if ready else None
+
+    def _want(self, key: _PoolKey) -> None:
+        """Keep a pool for ``key`` (after a create of these limits made its own cgroup)."""
+        with self._cond:
+            self._last = time.monotonic()
+            if key in self._ready:
+                return
+            while len(self._ready) >= self.keys:  # the least recently used limits go
+                old = next(iter(self._ready))
+                self._evicted.append((old, self._ready.pop(old)))
+            self._ready[key] = []
+            self._cond.notify_all()
+
+    def ready(self) -> dict[_PoolKey, int]:
+        """Pre-made cgroups per limits."""
+        with self._cond:
+            return {k: len(v) for k, v in self._ready.items()}
+
+    def wait_full(self, timeout: float) -> bool:
+        """Wait until every pool holds ``size`` cgroups (and evicted ones are gone); False
+        after ``timeout`` seconds. A readiness signal for tests and benches."""
+        with self._cond:
+            return self._cond.wait_for(self._full, timeout)
+
+    def _full(self) -> bool:
+        return not self._evicted and all(len(v) >= self.size for v in self._ready.values())
+
+    def _fill(self) -> None:
+        # Below everything else on the host: this work is off any create's path.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            with self._cond:
+                while not self._stop and (self._failed or self._full()):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                idle = time.monotonic() - self._last
+                if idle < self.quiet:
+                    self._cond.wait(self.quiet - idle)
+                    continue
+                if self._evicted:
+                    key, names = self._evicted.pop()
+                    make = None
+                else:
+                    key = next(k for k, v in self._ready.items() if len(v) < self.size)
+                    names, make = [], f"{POOL_PREFIX}{os.getpid()}.{next(self._seq)}"
+            try:
+                if make is None:
+                    for n in names:
+                        self.cgroups.remove(n)
+                    continue
+                latency, cpus, memory, swap, pids, devices = key
+                self.cgroups._make(make, cpus, memory, pids, swap, latency, devices)
+            except HostError as e:
+                # Creates make their own meanwhile; the next try is after the next create.
+                log.warning("cgroup pool: %s", e.message)
+                with self._cond:
+                    self._failed = True
+                continue
+            with self._cond:
+                if self._stop or key not in self._ready:
+                    self._evicted.append((key, [make]))
+                else:
+                    self._ready[key].append(make)
+                    self.made += 1
+                self._cond.notify_all()

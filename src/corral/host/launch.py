@@ -45,7 +45,7 @@ from typing import Any
 from corral.errors import HostError
 from corral.host import cbuild, mounts, spawnd
 from corral.host._aio import reap
-from corral.host.cgroups import Cgroups
+from corral.host.cgroups import CgroupPool, Cgroups
 from corral.host.runtime import _TMPFS_MAGIC, _fs_type
 from corral.host.seccomp_bpf import compile_profile, filter_flags
 from corral.policy.caps import cap_mask
@@ -91,8 +91,13 @@ _DEVICES_ALLOW = (
     "c 5:2 rwm",
     "c 136:* rwm",
 )
+POOL_SIZE = 16
+"""Pre-made cgroups per limits (:class:`CgroupPool`); the node keeps two limits' pools."""
 FAULT_ENV = "CORRAL_LAUNCH_FAULT"
 """Test hook: the name of a launcher step (see corral-launch.c) before which it crashes."""
+POOL_ENV = "CORRAL_CGROUP_POOL"
+"""Bench hook: ``SIZE[,QUIET_MS]`` sets the pool's size per limits (0: no pool) and how
+long after the last create its filler waits (default ``16,50``)."""
 SPAWN_ENV = "CORRAL_LAUNCH_SPAWN"
 """Bench/test hook: ``direct`` makes the node posix_spawn each launcher itself (the path
 before the spawn server, kept for A/B measurements and as the fallback)."""
@@ -393,6 +398,7 @@ class Launcher:
         self._template_net = -1
         self._tree: Path | None = None
         self._tree_names: set[str] = set()
+        self.pool: CgroupPool | None = None
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
@@ -461,6 +467,9 @@ class Launcher:
         return self._template
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self._spawnd is not None:
             self._spawnd.close()
             self._spawnd = None
@@ -487,13 +496,20 @@ class Launcher:
 
     # -- cgroups ----------------------------------------------------------------------
 
-    def _devices_root(self) -> Path | None:
-        if self.cgroups.mode == "v2":
-            return None
-        for r in self.cgroups.all_roots:
-            if "devices" in r.name.split(","):
-                return r
-        return None
+    def start_pool(self) -> None:
+        """Hand out pre-made sandbox cgroups at create (see :class:`CgroupPool`); v1 and
+        hybrid only (cgroup2 cannot rename a cgroup). Stopped by :meth:`close`."""
+        size, quiet = POOL_SIZE, 0.05
+        spec = os.environ.get(POOL_ENV)
+        if spec:
+            try:
+                parts = [int(x) for x in spec.split(",")]
+                size, quiet = parts[0], (parts[1] / 1000 if len(parts) > 1 else quiet)
+            except (ValueError, IndexError):
+                raise HostError(f"{POOL_ENV}={spec!r}: want SIZE[,QUIET_MS]") from None
+        if self.pool is None and self.cgroups.mode != "v2" and size > 0:
+            self.pool = CgroupPool(self.cgroups, size=size, quiet=quiet)
+            self.pool.start()
 
     def make_cgroup(
         self, sandbox_id: str, resources: dict[str, Any], latency: bool
@@ -502,39 +518,35 @@ class Launcher:
 
         The same values the OCI runtime writes from ``linux.resources``: memory and
         memory+swap, CFS quota/period, pids.max, and (v1) the devices allow list. Returns
-        the cgroup.procs files to join before the clone and those (cpu) to join late."""
+        the cgroup.procs files to join before the clone and those (cpu) to join late.
+        With :meth:`start_pool`, a pre-made cgroup of the same limits is renamed instead."""
         mem = resources["memory"]
         cpu = resources["cpu"]
-        self.cgroups.create(
-            sandbox_id,
-            cpus=cpu["quota"] / cpu["period"],
-            memory=int(mem["limit"]),
-            pids=int(resources["pids"]["limit"]),
-            swap=int(mem["swap"]) - int(mem["limit"]),
-            latency=latency,
-        )
+        devices = None
+        if self.cgroups.devices_root is not None:
+            if resources.get("devices") != [{"allow": False, "access": "rwm"}]:
+                raise HostError("launch: only the deny-all device list is supported")
+            devices = _DEVICES_ALLOW
+        limits: dict[str, Any] = {
+            "cpus": cpu["quota"] / cpu["period"],
+            "memory": int(mem["limit"]),
+            "pids": int(resources["pids"]["limit"]),
+            "swap": int(mem["swap"]) - int(mem["limit"]),
+            "latency": latency,
+            "devices": devices,
+        }
+        if self.pool is not None:
+            self.pool.create(sandbox_id, **limits)
+        else:
+            self.cgroups.create(sandbox_id, **limits)
         procs = self.cgroups.procs_files(sandbox_id)
         cpu_roots = {self.cgroups.hierarchy("cpu")}
         with contextlib.suppress(KeyError):
             cpu_roots.add(self.cgroups.hierarchy("cpuacct"))
         late = [p for p in procs if p.parents[2] in cpu_roots]
         procs = [p for p in procs if p not in late]
-        dev = self._devices_root()
-        if dev is not None:
-            if resources.get("devices") != [{"allow": False, "access": "rwm"}]:
-                raise HostError("launch: only the deny-all device list is supported")
-            top = dev / (self.cgroups.latency_root if latency else self.cgroups.subtree)
-            d = top / sandbox_id
-            try:
-                top.mkdir(exist_ok=True)
-                d.mkdir(exist_ok=True)
-                # Safe: device rules of corral's own sandbox cgroup.
-                _write(d / "devices.deny", "a")
-                for rule in _DEVICES_ALLOW:
-                    _write(d / "devices.allow", rule)
-            except OSError as e:
-                raise HostError(f"launch: devices cgroup {d}: {e.strerror}") from None
-            procs.append(d / "cgroup.procs")
+        if devices is not None:
+            procs.append(self.cgroups.devices_dir(sandbox_id, latency) / "cgroup.procs")
         return procs, late
 
     def use_cgroup_tree(self, tree: Path) -> None:
@@ -738,14 +750,6 @@ class Launcher:
 
     def forget_stopped(self, sandbox_id: str) -> None:
         self._path(sandbox_id).unlink(missing_ok=True)
-
-
-def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
 
 
 def _start_time(pid: int) -> str | None:

@@ -28,6 +28,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
+import signal
 import socket
 import struct
 from collections.abc import Mapping, Sequence
@@ -49,6 +51,13 @@ _FIRST, _NFDS = 3, 5  # the launcher's fds 3..7
 _MAX_MSG = 65536
 _RECV_FLAGS = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC  # a received pidfd is CLOEXEC
 
+
+SPAWN_TIMEOUT = 10.0
+"""Seconds a spawn server may take to take a request (read it and start the launcher, or
+report the launcher's end once it has ended). A server slower than that is hung (stopped,
+or stuck): it is killed, the create fails with an error saying so, and the next request
+starts a new server. Forking from a small fd table takes well under a millisecond; the
+bound is for a server that will never answer, not for a slow one."""
 
 _LIVE: list[SpawnServer] = []
 
@@ -72,12 +81,18 @@ class SpawnServer:
     when the *thread* that started it exits, and a worker thread of ``asyncio.to_thread``
     may exit at any time."""
 
-    def __init__(self, binary: Path, launcher: str) -> None:
+    def __init__(self, binary: Path, launcher: str, *, timeout: float = SPAWN_TIMEOUT) -> None:
         self.binary = str(binary)
         self.launcher = launcher
+        self.timeout = timeout
+        """See :data:`SPAWN_TIMEOUT`."""
         self._sock: socket.socket | None = None
         self._pid = -1
+        self._sent_to: dict[int, int] = {}
+        """id of a reply socket from :meth:`submit` -> pid of the server that took it."""
         self.restarts = 0
+        self.hangs = 0
+        """Servers killed because they did not answer in time (counted in restarts too)."""
         self._launched_cpu = 0.0
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._start()
@@ -126,10 +141,22 @@ class SpawnServer:
         self._launched_cpu = 0.0
 
     def close(self) -> None:
-        """Stop the server: it exits at EOF on its socket (launchers running go on)."""
+        """Stop the server: it exits at EOF on its socket (launchers running go on); one
+        that has not within :attr:`timeout` (stopped, hung) is killed."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._pid > 0:
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(self._pid)
+                try:
+                    poll = select.poll()
+                    poll.register(pidfd, select.POLLIN)
+                    if not poll.poll(int(self.timeout * 1000)):
+                        log.warning("corral-spawnd (pid %d) did not exit: killing it", self._pid)
+                        os.kill(self._pid, signal.SIGKILL)  # Safe: our own child, reaped next
+                finally:
+                    os.close(pidfd)
         self._reap()
         with contextlib.suppress(ValueError):
             _LIVE.remove(self)
@@ -144,12 +171,17 @@ class SpawnServer:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         async with self._lock[1]:
             while True:
-                assert self._sock is not None
+                if self._sock is None:  # killed as hung while this waited for the lock
+                    self._start()
+                sock = self._sock
+                assert sock is not None
                 try:
-                    self._sock.sendmsg([msg], anc)
+                    sock.sendmsg([msg], anc)
                     return
                 except BlockingIOError:
-                    await fd_ready(self._sock.fileno(), write=True)
+                    # A full socket: the server is not reading (~25 requests are queued).
+                    if not await fd_ready(sock.fileno(), write=True, timeout=self.timeout):
+                        raise self._hung(self._pid, "taking a request") from None
 
     async def run(self, args: Sequence[str], fds: Mapping[int, int]) -> int:
         """:meth:`submit` then :meth:`wait`."""
@@ -193,18 +225,50 @@ class SpawnServer:
             raise
         finally:
             theirs.close()
+        self._sent_to[id(mine)] = self._pid
         return mine
+
+    def _hung(self, pid: int, doing: str) -> HostError:
+        """Kill server ``pid`` if it is still the current one (the next request starts a
+        new one); the error for the request that found it hung."""
+        if pid > 0 and pid == self._pid:
+            log.warning(
+                "corral-spawnd (pid %d) did not answer for %gs: killing it", pid, self.timeout
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # Safe: our own child (reaped just below)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._reap()
+            self.restarts += 1
+            self.hangs += 1
+        return HostError(
+            f"spawnd: the spawn server (pid {pid}) did not answer within {self.timeout:g}s "
+            f"{doing} (stopped or hung): it was killed, and the next create starts a new one"
+        )
 
     async def wait(self, reply: socket.socket) -> int:
         """The launcher's exit status (as :func:`os.waitstatus_to_exitcode`) from the
         reply socket of :meth:`submit`, which this closes. HostError if the server could
         not run it, or died first: then only once the launcher itself has ended (its pidfd,
         which the server sent first), so the caller's undo finds what it made."""
+        pid = self._sent_to.pop(id(reply), -1)
         pidfd = -1
         try:
-            out, pidfd = await _recv(reply)
+            got = await _recv(reply, self.timeout)
+            if got is None:
+                raise self._hung(pid, "starting the launcher")
+            out, pidfd = got
             if out == b"P":
-                out, _ = await _recv(reply)
+                if pidfd >= 0:
+                    # The launcher's run may take long (a create on idle CPU): the bound
+                    # starts once it has ended and the server has to say so.
+                    await _either(reply.fileno(), pidfd)
+                got = await _recv(reply, self.timeout)
+                if got is None:
+                    raise self._hung(pid, "reporting the launcher's end")
+                out = got[0]
                 if not out and pidfd >= 0:
                     await fd_ready(pidfd)  # the launcher's end (the server's is known)
             if not out:
@@ -221,11 +285,26 @@ class SpawnServer:
         raise HostError(f"spawnd: {text.removeprefix('E ')}")
 
 
-async def _recv(sock: socket.socket) -> tuple[bytes, int]:
+async def _either(a: int, b: int) -> None:
+    """Until fd ``a`` or fd ``b`` is readable."""
+    waits = [asyncio.ensure_future(fd_ready(a)), asyncio.ensure_future(fd_ready(b))]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def _recv(sock: socket.socket, timeout: float | None = None) -> tuple[bytes, int] | None:
     """One message from ``sock`` (b"" at EOF) and the fd it carried (-1: none; the caller
-    closes it), waiting on the event loop."""
+    closes it), waiting on the event loop; None if none came within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
     while True:
-        await fd_ready(sock.fileno())
+        left = None if deadline is None else max(deadline - loop.time(), 0.001)
+        if not await fd_ready(sock.fileno(), timeout=left):
+            return None
         try:
             data, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(4), _RECV_FLAGS)
             break
