@@ -452,6 +452,7 @@ class Cgroups:
             raise HostError(
                 f"cgroups: renaming {pooled} to {name}: {errtext(e.errno or 0)}"
             ) from None
+        self._latency.pop(pooled, None)
         self._latency[name] = latency
 
     def _own(self) -> list[str]:
@@ -985,7 +986,6 @@ class CgroupPool:
                     with contextlib.suppress(HostError):
                         self.cgroups.remove(pooled)
                 else:
-                    self.cgroups._latency.pop(pooled, None)
                     with self._cond:
                         self.taken += 1
                     return True
