@@ -184,7 +184,9 @@ async def test_reaper_racing_user_destroys(images_ready) -> None:  # type: ignor
         await n.gc(everything=True)
         keeper = await n.sandbox_create(_spec())
         made = await asyncio.gather(*(n.sandbox_create(_spec(ttl=0.5)) for _ in range(6)))
-        doomed = [i.id for i in made]
+        # in the order the reaper takes them (its heap: expiry, then id); the creates
+        # ran at once, so gather's order is not the order they expire in
+        doomed = [i.id for i in sorted(made, key=lambda i: (i.expires_at or 0, i.id))]
         # Their TTL runs out; nothing acts on it until this test's reaper pass.
         while time.time() <= max(i.expires_at or 0 for i in made):
             await asyncio.sleep(0.05)
