@@ -237,6 +237,11 @@ class Limits(_Model):
     allowance of a quarter of it, 64 MiB to 1 GiB (``corral.host.btrfs.qgroup_limit``)."""
     output: ByteSize = Field(1 << 20, ge=1024, le=1 << 30)
     """Default cap per exec output stream (stdout, stderr each)."""
+    output_rate: ByteSize = Field(32 << 20, ge=1 << 20, le=1 << 40)
+    """Bytes a second of output the node relays for this sandbox, over all its execs and
+    streams together (after a burst of a quarter of a second's worth). A sandbox printing
+    faster is slowed, not cut: its processes wait in ``write``. The node's relay is shared
+    by every sandbox on it; this is one sandbox's share (corral.backends.outpace)."""
 
 
 class NetworkPolicy(_Model):

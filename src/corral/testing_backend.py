@@ -203,6 +203,7 @@ class FakeAgent:
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
     ) -> InitExit:
         self._check()
@@ -242,6 +243,7 @@ class FakeAgent:
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
         tty: bool = False,

@@ -93,6 +93,23 @@ async def test_limits_reported(client, node):
         assert {"timeout", "output_limit", "oom"} <= kinds
 
 
+async def test_output_rate_slows_a_flood_and_loses_nothing(client):
+    """``limits.output_rate``: a sandbox printing faster than its rate is slowed (its
+    processes wait in ``write``), every byte arrives, and its execs share one rate."""
+    lim = corral.Limits(cpus=1, memory="256MiB", pids=128, disk="256MiB", output_rate="2MiB")
+    async with await client.sandboxes.create(image="test/debian", limits=lim) as sb:
+        assert (await sb.refresh()).spec.limits.output_rate == 2 << 20
+        t0 = time.monotonic()
+        a, b = await asyncio.gather(
+            *(sb.exec(["head", "-c", "3M", "/dev/zero"], output_limit="4MiB") for _ in range(2))
+        )
+        took = time.monotonic() - t0
+    assert a.stdout == b.stdout == bytes(3 << 20)
+    assert (a.reason, b.reason) == ("exited", "exited")
+    # 6 MiB at 2 MiB/s, less the burst (a quarter of a second's worth): the least it can take
+    assert took >= (6 - 0.5) / 2 - 0.01
+
+
 async def test_fork_bomb_contained_and_neighbour_answers(client, node):
     victim = await client.sandboxes.create(image="test/debian", limits=SMALL)
     neighbour = await client.sandboxes.create(image="test/debian", limits=SMALL)

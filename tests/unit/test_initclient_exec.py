@@ -157,9 +157,9 @@ def threaded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = initclient._SockConn._read_rest
 
-    def spy(self, out, err):  # type: ignore[no-untyped-def]
+    def spy(self, out, err, pace):  # type: ignore[no-untyped-def]
         seen.append(threading.current_thread().name)
-        return real(self, out, err)
+        return real(self, out, err, pace)
 
     monkeypatch.setattr(initclient._SockConn, "_read_rest", spy)
     return seen

@@ -214,7 +214,13 @@ Freezer = Callable[[], AbstractAsyncContextManager[None]]
 
 class Agent(Protocol):
     """The in-sandbox agent (corral-init), whatever carries its protocol (a unix socket for
-    containers, a virtio-serial channel for VMs). Its reports are the init's own types."""
+    containers, a virtio-serial channel for VMs). Its reports are the init's own types.
+
+    ``output_rate`` (bytes a second; the sandbox's ``limits.output_rate``, the node passes
+    it to every exec and stream it relays for a client) paces how fast the node takes the
+    sandbox's output, over all its execs together (corral.backends.outpace); ``None``:
+    not paced (the node's own calls: a snapshot's stream, files through the agent).
+    """
 
     async def ping(self) -> None: ...
 
@@ -229,6 +235,7 @@ class Agent(Protocol):
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
     ) -> InitExit: ...
 
@@ -243,6 +250,7 @@ class Agent(Protocol):
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
         tty: bool = False,

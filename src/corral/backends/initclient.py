@@ -27,12 +27,14 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from corral.backends.outpace import OutputPace
 from corral.errors import InvalidRequest, ProcessNotFound, SandboxError
 from corral.host.sched import bulk_thread
 
@@ -454,27 +456,31 @@ class _SockConn(_Framed):
         return (self.sending is None or self.sending.done()) and _readers_busy < _READERS
 
     async def rest_in_thread(
-        self, out: list[bytes], err: list[bytes]
+        self, out: list[bytes], err: list[bytes], pace: tuple[OutputPace, int] | None
     ) -> tuple[bytes, bytes, bytes]:
         """Read the frames up to the exit in a worker thread, after ``out``/``err`` (what
-        came so far); returns the exit frame's payload, stdout and stderr, joined."""
+        came so far), at ``pace`` (the sandbox's budget and rate; None: unpaced); returns
+        the exit frame's payload, stdout and stderr, joined."""
         global _readers_busy
         with self.lock:
             self.in_thread = True
         _readers_busy += 1
-        fut = self.loop.run_in_executor(_reader_pool, self._read_rest, out, err)
+        fut = self.loop.run_in_executor(_reader_pool, self._read_rest, out, err, pace)
         fut.add_done_callback(_reader_done)  # counted until the thread ends, not the await
         return await fut
 
-    def _read_rest(self, out: list[bytes], err: list[bytes]) -> tuple[bytes, bytes, bytes]:
+    def _read_rest(
+        self, out: list[bytes], err: list[bytes], pace: tuple[OutputPace, int] | None
+    ) -> tuple[bytes, bytes, bytes]:
         try:
             self.sock.settimeout(_READER_WAKE)
             while True:
                 t, body = self._frame_blocking()
-                if t == _O:
-                    out.append(body)
-                elif t == _E:
-                    err.append(body)
+                if t == _O or t == _E:
+                    (out if t == _O else err).append(body)
+                    wait = pace[0].take(len(body), pace[1]) if pace else 0.0
+                    if wait:
+                        time.sleep(wait)  # the init holds the rest back meanwhile
                 elif t == _X:
                     return body, _join_and_free(out), _join_and_free(err)
                 elif t != _S:
@@ -563,10 +569,21 @@ class InitClient:
     def __init__(self, sock_path: str | Path, connect_timeout: float = 5.0) -> None:
         self.path = str(sock_path)
         self.connect_timeout = connect_timeout
+        self.pace = OutputPace()
+        """How fast this sandbox's output is taken, over all its paced execs and streams
+        (those given an ``output_rate``; the node's own, a snapshot's stream, are not)."""
         self.start_timeout = _GUARD
         """Seconds to wait for an exec's `S` frame: the init sends it right after fork, so
         none coming means a stuck or frozen init (the kernel accepts connections on its
         listening socket even then), not a slow command."""
+
+    async def _paced(self, n: int, rate: int | None) -> None:
+        """Account ``n`` bytes of output read on the loop at ``rate`` (None: unpaced);
+        wait if the sandbox is ahead of it (its init meanwhile stops reading the
+        process's pipes)."""
+        wait = self.pace.take(n, rate) if rate else 0.0
+        if wait:
+            await asyncio.sleep(wait)
 
     async def _connect(self, op: str) -> _Conn:
         try:
@@ -688,6 +705,7 @@ class InitClient:
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
     ) -> InitExit:
         """Run a command to its end and return its exit and (capped) output.
@@ -717,14 +735,17 @@ class InitClient:
                     if t == _O:
                         out.append(body)
                         size += len(body)
+                        await self._paced(len(body), output_rate)
                         if size >= _THREAD_READ and c.can_read_in_thread():
                             # a flood of output: the rest is read off the loop
-                            body, stdout, stderr = await c.rest_in_thread(out, err)
+                            pace = (self.pace, output_rate) if output_rate else None
+                            body, stdout, stderr = await c.rest_in_thread(out, err, pace)
                             joined = (stdout, stderr)
                             f, _ = _decode(body)
                             break
                     elif t == _E:
                         err.append(body)
+                        await self._paced(len(body), output_rate)
                     elif t == _X:
                         f, _ = _decode(body)
                         break
@@ -753,6 +774,7 @@ class InitClient:
         groups: Iterable[int] = (),
         timeout: float | None = None,
         output_limit: int = 1 << 20,
+        output_rate: int | None = None,
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
         tty: bool = False,
@@ -787,7 +809,7 @@ class InitClient:
         data = _frame(_Q, payload)
         if stdin is not None:
             data += _stdin_frames(stdin) + (b"" if stdin_pipe else _frame(_I))
-        return ExecStream(self, data, keep_output)
+        return ExecStream(self, data, keep_output, output_rate=output_rate)
 
     async def spawn(
         self,
@@ -883,9 +905,15 @@ class ExecStream:
     """
 
     def __init__(
-        self, client: InitClient, request: bytes, keep_output: bool = True, op: str = "exec"
+        self,
+        client: InitClient,
+        request: bytes,
+        keep_output: bool = True,
+        op: str = "exec",
+        output_rate: int | None = None,
     ) -> None:
         self._client = client
+        self._rate = output_rate
         self._op = op
         self._request = request
         self._keep = keep_output
@@ -924,14 +952,11 @@ class ExecStream:
         c = self._live()
         while self._result is None:
             t, body = await c.frame()
-            if t == _O:
+            if t == _O or t == _E:
+                await self._client._paced(len(body), self._rate)
                 if self._keep:
-                    self._out.append(body)
-                yield "stdout", body
-            elif t == _E:
-                if self._keep:
-                    self._err.append(body)
-                yield "stderr", body
+                    (self._out if t == _O else self._err).append(body)
+                yield "stdout" if t == _O else "stderr", body
             elif t == _X:
                 f, _ = _decode(body)
                 self._result = _exit_from(f, b"".join(self._out), b"".join(self._err), self.pid)

@@ -412,13 +412,21 @@ def neighbours_cmd(
             "--probe-hz", min=1, help="API calls and neighbour execs started a second, each."
         ),
     ] = 50.0,
+    attacker_output_rate: Annotated[
+        str | None,
+        typer.Option(
+            "--attacker-output-rate",
+            help="The attackers' limits.output_rate (e.g. 1TiB: unpaced); default: the "
+            "sandbox default.",
+        ),
+    ] = None,
 ) -> Scenario:
     """Fork bomb, memory bomb, disk fill, output flood, inotify and fd exhaustion and a CPU
     burn, each in its own sandbox: a latency-class neighbour's exec p99 and the API's p99
     against idle, and whether anyone outside the attacker was harmed."""
     from corral.bench.neighbours import neighbours
 
-    return neighbours(opts, seconds, attack or None, probe_hz)
+    return neighbours(opts, seconds, attack or None, probe_hz, attacker_output_rate)
 
 
 if __name__ == "__main__":  # ``python -m corral.bench.cli``, before ``corral bench`` exists

@@ -25,7 +25,9 @@ full strength (its readiness signal, ``bit``) before its window of ``seconds`` s
 is destroyed after it (``destroy_s``: how long that took). The attacks: fork bomb, memory
 bomb (allocate until OOM, again and again), disk fill (``yes > file``), output flood (two
 client processes each asking for ``yes`` with a 64 MiB cap, one exec after the other for
-the whole window; ``floods`` and ``flood_s``: each exec as its client saw it), inotify
+the whole window; ``floods`` and ``flood_s``: each exec as its client saw it; the node
+relays the attacker's output at its ``limits.output_rate``, the default unless
+``--attacker-output-rate`` says otherwise, reported as ``output_rate``), inotify
 exhaustion, fd exhaustion, and a busy loop on every core. The attack scripts use python3
 (inotify and fd exhaustion have no shell tool), so the image must have it ('python'
 builds one).
@@ -254,13 +256,15 @@ async def _one_attack(
     probes: Probes,
     kept: tuple[Sandbox, Sandbox, str],
     address: str,
+    output_rate: str | None,
 ) -> tuple[dict[str, Any], Window]:
     neighbour, bystander, digest = kept
     cpus = os.cpu_count() or 1
+    rate = {"output_rate": output_rate} if output_rate else {}
     attacker = await client.sandboxes.create(
         image=img,
         qos="best_effort",
-        limits={"cpus": cpus, **_ATTACKER_LIMITS},
+        limits={"cpus": cpus, **_ATTACKER_LIMITS, **rate},
         labels={"corral-bench": "neighbours-attacker", "attack": name},
     )
     res: dict[str, Any] = {"name": name}
@@ -279,6 +283,7 @@ async def _one_attack(
             answers, errors = await flood.stop(grace=_FLOOD_TIMEOUT + 10)
             flood = None
             res["flood_truncated"] = bool(answers) and all(a.truncated for a in answers)
+            res["output_rate"] = int(node.table.get(attacker.id).spec.limits.output_rate)
             res["floods"] = len(answers)
             res["flood_s"] = [round(a.seconds, 3) for a in answers]
             if errors:
@@ -325,8 +330,11 @@ async def neighbours(
     seconds: float,
     attacks: list[str] | None = None,
     probe_hz: float = PROBE_HZ,
+    attacker_output_rate: str | None = None,
 ) -> dict[str, Any]:
-    """The ``neighbours`` scenario (see the module docstring)."""
+    """The ``neighbours`` scenario (see the module docstring). ``attacker_output_rate``
+    (e.g. ``"1TiB"``: unpaced, the node before ``limits.output_rate``) overrides the
+    default rate for the attackers."""
     from corral.api.server import NodeServer
 
     names = attacks or list(ATTACKS)
@@ -334,7 +342,13 @@ async def neighbours(
         if n not in ATTACKS:
             raise ValueError(f"unknown attack {n!r}; known: {', '.join(ATTACKS)}")
     async with prepared(opts) as p:
-        out = header("neighbours", p, seconds=seconds, probe_hz=probe_hz)
+        out = header(
+            "neighbours",
+            p,
+            seconds=seconds,
+            probe_hz=probe_hz,
+            attacker_output_rate=attacker_output_rate,
+        )
         results: list[dict[str, Any]] = []
         idle = Window()
         async with contextlib.AsyncExitStack() as stack:
@@ -381,6 +395,7 @@ async def neighbours(
                         probes,
                         (neighbour, bystander, digest),
                         srv.address,
+                        attacker_output_rate,
                     )
                     res.update(_figures(w))
                     res["idle"] = _figures(before)

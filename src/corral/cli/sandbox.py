@@ -69,6 +69,10 @@ def create(
     output: Annotated[
         str | None, typer.Option(help="Default cap per exec output stream, e.g. 1MiB.")
     ] = None,
+    output_rate: Annotated[
+        str | None,
+        typer.Option(help="Output the node relays a second, all execs together, e.g. 32MiB."),
+    ] = None,
     ttl: Annotated[float | None, typer.Option(help="Destroy after this many seconds.")] = None,
     idle_timeout: Annotated[
         float | None, typer.Option(help="Destroy after this many idle seconds.")
@@ -96,7 +100,14 @@ def create(
 ) -> None:
     """Create a sandbox and print its id."""
     g: Globals = ctx.obj
-    given = {"cpus": cpus, "memory": memory, "pids": pids, "disk": disk, "output": output}
+    given = {
+        "cpus": cpus,
+        "memory": memory,
+        "pids": pids,
+        "disk": disk,
+        "output": output,
+        "output_rate": output_rate,
+    }
     try:
         limits = Limits.model_validate({k: v for k, v in given.items() if v is not None})
     except ValidationError as e:

@@ -86,6 +86,7 @@ class Execs:
             "gid": gid,
             "timeout": req.timeout,
             "output_limit": limit,
+            "output_rate": int(info.spec.limits.output_rate),
         }
 
     def _resolve_user(self, info: SandboxInfo, user: str | None) -> tuple[int, int]:
@@ -245,7 +246,7 @@ class Execs:
         if req.stdin is not None or req.tty:
             raise InvalidRequest("stdin/tty: background processes get no stdin; use exec_stream")
         p = self._prepare(info, req)
-        p.pop("timeout")
+        del p["timeout"], p["output_rate"]  # its output waits in the init: nothing to pace
         async with self.life.agent_errors(sandbox_id, "spawn"):
             pid_id, pid = await self._agent(info).spawn(req.cmd, **p)  # type: ignore[arg-type]
         return ProcessInfo(id=pid_id, pid=pid, cmd=req.cmd, running=True)
@@ -312,7 +313,7 @@ class Execs:
     ) -> shellmod.ShellSession:
         bash = "bash" in (await self._default_shell(info))[0]
         p = self._prepare(info, ExecRequest(cmd=["sh"], env=env, cwd=cwd))
-        p.pop("timeout")
+        del p["timeout"], p["output_rate"]  # its output waits in the init: nothing to pace
         agent = self._agent(info)
         async with self.life.agent_errors(info.id, "the shell session"):
             proc_id, pid = await agent.spawn(
