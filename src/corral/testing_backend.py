@@ -315,7 +315,7 @@ class FakeAgent:
     async def list(self) -> list[InitProc]:
         return [await self.wait(i, 0.001) for i in list(self._procs)]
 
-    def attach(self, proc_id: str) -> ExecStream:
+    def attach(self, proc_id: str, output_rate: int | None = None) -> ExecStream:
         raise SandboxError("fake sandbox: no shell sessions to attach to")
 
     async def forget(self, proc_id: str) -> None:

@@ -96,7 +96,9 @@ async def test_limits_reported(client, node):
 async def test_output_rate_slows_a_flood_and_loses_nothing(client):
     """``limits.output_rate``: a sandbox printing faster than its rate is slowed (its
     processes wait in ``write``), every byte arrives, and its execs share one rate."""
-    lim = corral.Limits(cpus=1, memory="256MiB", pids=128, disk="256MiB", output_rate="2MiB")
+    lim = corral.Limits(
+        cpus=1, memory="256MiB", pids=128, disk="256MiB", output="4MiB", output_rate="2MiB"
+    )
     async with await client.sandboxes.create(image="test/debian", limits=lim) as sb:
         assert (await sb.refresh()).spec.limits.output_rate == 2 << 20
         t0 = time.monotonic()
@@ -104,10 +106,18 @@ async def test_output_rate_slows_a_flood_and_loses_nothing(client):
             *(sb.exec(["head", "-c", "3M", "/dev/zero"], output_limit="4MiB") for _ in range(2))
         )
         took = time.monotonic() - t0
-    assert a.stdout == b.stdout == bytes(3 << 20)
-    assert (a.reason, b.reason) == ("exited", "exited")
-    # 6 MiB at 2 MiB/s, less the burst (a quarter of a second's worth): the least it can take
-    assert took >= (6 - 0.5) / 2 - 0.01
+        assert a.stdout == b.stdout == bytes(3 << 20)
+        assert (a.reason, b.reason) == ("exited", "exited")
+        # 6 MiB at 2 MiB/s, less the burst (a quarter of a second's worth): the least it
+        # can take
+        assert took >= (6 - 0.5) / 2 - 0.01
+        # a shell session's commands print through its attached stream: paced as well
+        shell = await sb.shell()
+        t0 = time.monotonic()
+        r = await shell.run("head -c 3M /dev/zero")
+        took = time.monotonic() - t0
+        assert (r.exit_code, len(r.stdout)) == (0, 3 << 20)
+        assert took >= (3 - 0.5) / 2 - 0.01
 
 
 async def test_fork_bomb_contained_and_neighbour_answers(client, node):

@@ -837,15 +837,16 @@ class InitClient:
         f, _ = _decode(frames[-1][1])
         return f.get(ID, b"").decode(), _int(f, PID) or 0
 
-    def attach(self, proc_id: str) -> ExecStream:
+    def attach(self, proc_id: str, output_rate: int | None = None) -> ExecStream:
         """Attach to a session (a spawn with ``stdin_pipe``): an :class:`ExecStream` that
         yields first what the session wrote while no client was attached, then its live
         output; ``write`` feeds its stdin and ``signal`` its process group. Leaving the
         block only detaches (the session keeps running); a later attach (after a node
         restart, say) takes over, and the earlier client's iteration ends with an error.
-        Raises ProcessNotFound (on entering) for an unknown id."""
+        Raises ProcessNotFound (on entering) for an unknown id. ``output_rate``: as for
+        :meth:`exec` (a shell session's commands print through it)."""
         request = _frame(_Q, _field(OP, "attach") + _field(ID, proc_id))
-        return ExecStream(self, request, keep_output=False, op="attach")
+        return ExecStream(self, request, keep_output=False, op="attach", output_rate=output_rate)
 
     async def wait(self, proc_id: str, timeout: float | None = 0) -> InitProc:
         """State and buffered output of a background process.

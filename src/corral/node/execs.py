@@ -354,7 +354,10 @@ class Execs:
                     timeout=30,
                 )
 
-        return shellmod.ShellSession(proc_id, pid, lambda: agent.attach(proc_id), kill_children)
+        rate = int(info.spec.limits.output_rate)  # a session's commands print through it
+        return shellmod.ShellSession(
+            proc_id, pid, lambda: agent.attach(proc_id, output_rate=rate), kill_children
+        )
 
     async def _drop_shell(self, info: SandboxInfo, sess: shellmod.ShellSession) -> None:
         """Detach and end a session's shell (its whole process group)."""
