@@ -54,5 +54,6 @@ def test_neighbours_harm_nobody(images_ready) -> None:  # type: ignore[no-untype
     assert attacks["disk_fill"]["effect"]["fill_bytes"] >= 32 << 20, attacks["disk_fill"]
     flood = attacks["output_flood"]
     assert flood.get("flood_truncated") is True, flood  # stopped at its cap by the node
+    assert flood["output_rate"] == 32 << 20  # relayed at the sandbox default's pace
     assert out["probe_errors"] == 0
     assert out["leaked_total"] == 0, out["leaks"]
