@@ -350,6 +350,14 @@ class Backend(Protocol):
 
     def alive(self, sandbox_id: str) -> bool: ...
 
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
+        """The sandbox is paused by being saved to a memory snapshot (a microVM whose VMM
+        ended, its state in a file until a request or a resume restores it) rather than by
+        a frozen cgroup. A restarted node keeps such a sandbox paused though its cgroup is
+        not frozen (:meth:`corral.node.pause.Pauser.recovered`). False on an engine that
+        never saves one."""
+        ...
+
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
     ) -> float:

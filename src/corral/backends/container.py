@@ -742,6 +742,10 @@ class ContainerBackend:
                 return int(pid)
         return None
 
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
+        """Never: a container is paused only by freezing its cgroup."""
+        return False
+
     def alive(self, sandbox_id: str) -> bool:
         pid = self.init_pid(sandbox_id)
         if not pid:
