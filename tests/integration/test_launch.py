@@ -739,7 +739,7 @@ async def test_a_crashed_nodes_premade_cgroups_go_at_start(images_ready) -> None
     if cg.mode == "v2":
         pytest.skip("v1 and hybrid only")
     left = f"{POOL_PREFIX}1.0"
-    cg._make(left, 1.0, 64 << 20, 64, 0, False, None)
+    cg.create_pooled(left, cpus=1.0, memory=64 << 20, pids=64)
     assert cg.pooled() == [left] and cg.list() == []
     async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
         assert n.cgroups.pooled() == [] and await n.gc() is not None
