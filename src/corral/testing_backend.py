@@ -444,6 +444,9 @@ class FakeBackend:
     async def recovered(self) -> None:
         pass
 
+    async def settle(self, timeout: float) -> bool:
+        return True
+
     async def gc(self, live: set[str]) -> dict[str, int]:
         n = 0
         for name in self.cgroups.list():

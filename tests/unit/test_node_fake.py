@@ -155,6 +155,20 @@ async def test_recovery_keeps_a_sandbox_held_in_a_memory_snapshot_paused(tmp_pat
         assert ids == {saved.id: "paused", frozen.id: "running"}
 
 
+async def test_wait_settled_asks_every_backend_within_the_time_given(tmp_path: Path) -> None:
+    async with open_fake_node(tmp_path) as node:
+        assert await node.wait_settled(5.0)  # the fake prepares nothing in the background
+        asked: list[float] = []
+
+        async def not_yet(timeout: float) -> bool:
+            asked.append(timeout)
+            return False
+
+        _fake(node).settle = not_yet  # type: ignore[method-assign]
+        assert not await node.wait_settled(5.0)
+        assert len(asked) == 1 and 0 <= asked[0] <= 5.0
+
+
 async def test_events_page_with_an_opaque_cursor(tmp_path: Path) -> None:
     async with open_fake_node(tmp_path) as node:
         for _ in range(5):

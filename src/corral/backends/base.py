@@ -319,6 +319,13 @@ class Backend(Protocol):
 
     def status(self) -> BackendStatus: ...
 
+    async def settle(self, timeout: float) -> bool:
+        """Wait until the work this engine does in the background to make later creates
+        quick is done (the container engine's pre-made cgroups), as on a node that has been
+        up for a while; False if it was not within ``timeout`` seconds. For benches and
+        tests that measure creates, never on a request's path."""
+        ...
+
     async def recovered(self) -> None:
         """After the :meth:`adopt` calls of a restart: release node-wide pieces (layer
         mounts) that no adopted sandbox holds."""

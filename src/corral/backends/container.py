@@ -54,6 +54,7 @@ from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
 from corral.host import initfs, launch, mounts
 from corral.host._aio import fd_ready
+from corral.host.cgroups import CgroupPool
 from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
@@ -280,14 +281,26 @@ class ContainerBackend:
         return removed
 
     def status(self) -> BackendStatus:
-        return BackendStatus(
-            kind=self.kind,
-            ok=self._started,
-            detail={
-                "runtime": self.runtime.name if self._started else "",
-                "layer_mounts": str(len(self.layers.mounted())) if self._started else "0",
-            },
-        )
+        detail = {
+            "runtime": self.runtime.name if self._started else "",
+            "layer_mounts": str(len(self.layers.mounted())) if self._started else "0",
+        }
+        pool = self._cgroup_pool()
+        if pool is not None:  # pre-made cgroups: per limits, and creates that got one
+            detail["cgroup_pool_size"] = str(pool.size)
+            detail["cgroup_pool_taken"] = str(pool.taken)
+        return BackendStatus(kind=self.kind, ok=self._started, detail=detail)
+
+    def _cgroup_pool(self) -> CgroupPool | None:
+        """The launcher's pre-made cgroups (v1 and hybrid); None with an OCI runtime."""
+        if not self._started or self.host_mounted_root:
+            return None
+        return self.launcher.pool
+
+    async def settle(self, timeout: float) -> bool:
+        """Until the pre-made cgroups of the limits created lately are all made."""
+        pool = self._cgroup_pool()
+        return True if pool is None else await asyncio.to_thread(pool.wait_full, timeout)
 
     # ------------------------------------------------------------------ paths and handles
     @property

@@ -186,6 +186,10 @@ class MicroVMBackend:
     async def recovered(self) -> None:
         """Nothing node-wide is held per VM."""
 
+    async def settle(self, timeout: float) -> bool:
+        """Nothing is prepared in the background."""
+        return True
+
     async def gc(self, live: set[str]) -> dict[str, int]:
         """VMMs, cgroups and sandbox dirs of no live sandbox (the container engine's gc
         removes the same kinds of leftovers by the same rule; whichever runs first)."""
