@@ -446,6 +446,9 @@ class FakeBackend:
     async def recovered(self) -> None:
         pass
 
+    async def settle(self, timeout: float) -> bool:
+        return True
+
     async def gc(self, live: set[str]) -> dict[str, int]:
         n = 0
         for name in self.cgroups.list():
@@ -503,6 +506,20 @@ class FakeBackend:
     def kill(self, sandbox_id: str) -> None:
         """Fault injection: the sandbox's agent dies."""
         self._dead.add(sandbox_id)
+
+    def hold_in_snapshot(self, sandbox_id: str) -> None:
+        """Test hook: the sandbox is held in a memory snapshot, as a microVM's memory pause
+        leaves it. Kept in the sandbox's record, so a restarted node's backend answers the
+        same (the node's recovery is what this is for)."""
+        rec = self._meta / sandbox_id
+        rec.write_text(json.dumps({**json.loads(rec.read_text()), "in_snapshot": True}))
+
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
+        try:
+            rec = json.loads((self._meta / sandbox_id).read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(rec.get("in_snapshot"))
 
     async def kill_all(self, sandbox_id: str) -> bool:
         agent = self._agents.get(sandbox_id)

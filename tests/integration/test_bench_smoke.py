@@ -49,6 +49,12 @@ def test_create_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["corral"]["n"] == 3 and out["corral"]["errors"] == 0
     assert out["corral"]["p50_ms"] <= out["corral"]["p99_ms"]
     assert out["docker"] is None
+    # With corral's launcher on cgroup v1 or hybrid: its pre-made cgroups, from the node's
+    # status; after the warm-up settled the pool, the creates take from it.
+    if "cgroup_pool" in out:
+        pool = out["cgroup_pool"]
+        assert set(pool) == {"size", "taken"} and pool["size"] > 0, pool
+        assert isinstance(pool["taken"], int) and 0 < pool["taken"] <= 3, pool
 
 
 def test_exec_json_shape(bench) -> None:  # type: ignore[no-untyped-def]

@@ -584,11 +584,13 @@ def test_layer_mounts_linger_after_the_last_user_then_sweep(root: Path) -> None:
     """With ``linger``, the last release keeps the layer mounted and leased; an acquire
     meanwhile takes it without verifying or mounting again; a sweep before the linger is
     up keeps it, one after unmounts it and drops the lease; unmount_all takes lingering
-    layers too."""
+    layers too. Each time a layer starts to linger the sweeper is woken (``lingered``),
+    and :meth:`next_due` tells it when the longest-lingering one is due."""
     digest, other = ("sha256:" + c * 64 for c in "de")
     image = make_layer(root, "linger", {"etc/l": "l"})
     verified: list[str] = []
     events: list[tuple[str, str]] = []
+    woken: list[float | None] = []
 
     class Leases:
         def take(self, d: str) -> None:
@@ -604,21 +606,28 @@ def test_layer_mounts_linger_after_the_last_user_then_sweep(root: Path) -> None:
         None,
         leases=Leases(),  # type: ignore[arg-type]
         linger=30.0,
+        lingered=lambda: woken.append(lm.next_due()),
     )
     try:
+        assert lm.next_due() is None
         p = lm.acquire(digest)
+        assert woken == [] and lm.next_due() is None  # used: not lingering
+        before = time.monotonic()
         lm.release(digest)
         released = time.monotonic()
+        assert len(woken) == 1 and woken[0] is not None
+        assert before + 30.0 <= woken[0] <= released + 30.0 and lm.next_due() == woken[0]
         assert lm.mounted() == {} and lm.lingering() == [digest]
         assert mounts.is_mountpoint(p) and events == [("take", digest)]
         assert lm.acquire(digest) == p  # taken back: no verify, no mount, no new lease
         assert verified == [digest] and events == [("take", digest)]
-        assert lm.mounted() == {digest: 1} and lm.lingering() == []
+        assert lm.mounted() == {digest: 1} and lm.lingering() == [] and lm.next_due() is None
         lm.release(digest)
+        assert len(woken) == 2 and woken[1] is not None and woken[1] >= woken[0]
         assert lm.sweep(now=released + 29.0) == []  # within the linger (of either release)
         assert mounts.is_mountpoint(p)
         assert lm.sweep(now=time.monotonic() + 30.0) == [digest]
-        assert lm.lingering() == [] and not mounts.is_mountpoint(p)
+        assert lm.lingering() == [] and not mounts.is_mountpoint(p) and lm.next_due() is None
         assert events == [("take", digest), ("drop", digest)]
         assert lm.acquire(digest) == p and verified == [digest, digest]  # mounted afresh
         lm.release(digest)

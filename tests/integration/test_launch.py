@@ -692,22 +692,32 @@ async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ign
     nothing of it is left after close."""
     from corral.host.launch import POOL_SIZE
 
+    async def pool() -> dict[str, str] | None:  # as the node's status reports it
+        [st] = [b for b in (await n.node_status()).backends if b.kind == "container"]
+        keys = ("cgroup_pool_size", "cgroup_pool_taken")
+        return {k: st.detail[k] for k in keys} if keys[1] in st.detail else None
+
+    def taken(count: int) -> dict[str, str]:
+        return {"cgroup_pool_size": str(POOL_SIZE), "cgroup_pool_taken": str(count)}
+
     dirs = _dirs("lpl")
     async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
         cg = n.cgroups
-        pool = n.backends.get("container").runtime.pool  # type: ignore[union-attr]
         if cg.mode == "v2":
-            assert pool is None  # cgroup2 cannot rename a cgroup
+            [st] = (await n.node_status()).backends
+            assert "cgroup_pool_taken" not in st.detail  # cgroup2 cannot rename a cgroup
             pytest.skip("v1 and hybrid only")
-        assert pool is not None and cg.pooled() == []
+        assert await pool() == taken(0) and cg.pooled() == []
+        assert await n.wait_settled(60)  # nothing to make yet
         limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
         async with sandbox(n, limits=limits) as made:
-            assert pool.taken == 0
-            assert await asyncio.to_thread(pool.wait_full, 60)
+            assert await pool() == taken(0)
+            assert await n.wait_settled(60)
             premade = cg.pooled()
             assert len(premade) == POOL_SIZE and made not in premade
             async with sandbox(n, limits=limits) as sid:
-                assert pool.taken == 1 and sid not in cg.pooled() and sid in cg.list()
+                assert await pool() == taken(1)
+                assert sid not in cg.pooled() and sid in cg.list()
                 assert _limit_files(cg, sid) == _limit_files(cg, made)
                 assert cg.control_file("cpu", sid, "cpu.cfs_quota_us").read_text() == "50000\n"
                 assert cg.control_file("pids", sid, "pids.max").read_text() == "40\n"
@@ -717,11 +727,11 @@ async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ign
                 out = r.stdout.decode().splitlines()
                 assert out[-1] == "ok" and all(ln.endswith(":/") for ln in out[:-1]), r
             async with sandbox(n, limits=Limits(cpus=0.5, memory=64 << 20, pids=40)) as other:
-                assert pool.taken == 1
+                assert await pool() == taken(1)
                 assert int(
                     cg.control_file("memory", other, "memory.limit_in_bytes").read_text()
                 ) == (64 << 20)
-            assert await asyncio.to_thread(pool.wait_full, 60)
+            assert await n.wait_settled(60)
             assert len(cg.pooled()) == 2 * POOL_SIZE  # two limits' pools, both full
             assert set(cg.list()) == {made}
     assert cg.pooled() == []
@@ -739,7 +749,7 @@ async def test_a_crashed_nodes_premade_cgroups_go_at_start(images_ready) -> None
     if cg.mode == "v2":
         pytest.skip("v1 and hybrid only")
     left = f"{POOL_PREFIX}1.0"
-    cg._make(left, 1.0, 64 << 20, 64, 0, False, None)
+    cg.create_pooled(left, cpus=1.0, memory=64 << 20, pids=64)
     assert cg.pooled() == [left] and cg.list() == []
     async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
         assert n.cgroups.pooled() == [] and await n.gc() is not None

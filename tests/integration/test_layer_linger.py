@@ -1,6 +1,7 @@
 """A real node with ``layer_linger``: the image's layers stay mounted after its last
 sandbox goes, the next create takes them without verifying them again, and the node's
-sweeper unmounts them once the linger is up; closing the node unmounts lingering layers."""
+sweeper unmounts them once the linger is up (and sleeps while none lingers); closing the
+node unmounts lingering layers."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ async def test_layers_linger_then_the_sweeper_unmounts_them(images_ready) -> Non
             verified: list[str] = []
             real_verify = layers._verify
             layers._verify = lambda d: (verified.append(d), real_verify(d))[1]
+            looks: list[float | None] = []  # the sweeper's looks at the lingering layers
+            real_next_due = layers.next_due
+            layers.next_due = lambda: (looks.append(real_next_due()), looks[-1])[1]
 
             info = await node.sandbox_create(spec)
             await node.sandbox_destroy(info.id)
@@ -42,12 +46,22 @@ async def test_layers_linger_then_the_sweeper_unmounts_them(images_ready) -> Non
             assert len(verified) == first and layers.lingering() == []
             await node.sandbox_destroy(info.id)
 
-            # The sweeper runs a few times per linger: readiness, polled by loop turns.
+            # The sweeper sleeps until the linger is up: readiness, polled by loop turns.
             points = [layers._lower(d) for d in digests]
             async with asyncio.timeout(60):
                 while layers.lingering():
                     await asyncio.sleep(0.05)
             assert not any(mounts.is_mountpoint(p) for p in points)
+            # Then nothing lingers: once it has seen that, it waits for the next layer to
+            # linger without looking again. A check that nothing happens needs a wait: 1 s
+            # is 8 of the old loop's looks (every quarter linger); it cannot fail by being
+            # slow.
+            async with asyncio.timeout(60):
+                while looks[-1] is not None:
+                    await asyncio.sleep(0.05)
+            n = len(looks)
+            await asyncio.sleep(1.0)
+            assert len(looks) == n and not layers.lingering(), looks[n:]
 
             info = await node.sandbox_create(spec)  # mounted (and verified) afresh
             assert len(verified) == 2 * first

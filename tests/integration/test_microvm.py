@@ -262,7 +262,7 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
         before = b.cgroups.memory_current(sid)
         paused = await vmnode.sandbox_pause(sid, memory_snapshot=True)
         assert paused.state == "paused"
-        assert not _vmm_procs() and b.saved(sid) and b.alive(sid)
+        assert not _vmm_procs() and b.held_in_snapshot(sid) and b.alive(sid)
         after = b.cgroups.memory_current(sid)
         assert after < before * 0.1, (before, after)
         ev = [e for e in await vmnode.events(sid) if e.kind == "paused"][-1]
@@ -271,7 +271,7 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
         r = await vmnode.exec(sid, ExecRequest(cmd=["cat", "/dev/shm/v", "/root/d"]))
         assert r.stdout == b"tmpfs-kept\ndisk-kept\n", r
         assert (await vmnode.process_get(sid, bg.id)).running
-        assert not b.saved(sid) and len(_vmm_procs()) == 1
+        assert not b.held_in_snapshot(sid) and len(_vmm_procs()) == 1
         # again, with an explicit resume
         await vmnode.sandbox_pause(sid, memory_snapshot=True)
         assert not _vmm_procs()
@@ -303,7 +303,7 @@ async def test_pause_with_memory_snapshot_releases_everything(vmnode):  # type: 
         # still saved and paused (not "running" with no VMM, which the reaper would take
         # for a dead sandbox and destroy under the caller)
         assert (await vmnode.sandbox_get(sid)).state == "paused"
-        assert b.saved(sid) and b.alive(sid)
+        assert b.held_in_snapshot(sid) and b.alive(sid)
     finally:
         await vmnode.sandbox_destroy(sid)
     assert not _vmm_procs()

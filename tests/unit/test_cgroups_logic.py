@@ -1251,6 +1251,27 @@ def test_pool_latency_class_and_refusals(make_kernel: KernelFactory) -> None:
         pool.close()
 
 
+def test_create_pooled_makes_only_pool_names_with_the_limits(make_kernel: KernelFactory) -> None:
+    """The pool's own way to make a cgroup: a pool name only (the counterpart of create's
+    refusal), the limits written as create writes them, seen by pooled() and never by
+    list(); rename_pooled then gives it a sandbox's name."""
+    k = make_kernel("v1")
+    cg = open_cg(k, "mountinfo")
+    with pytest.raises(HostError, match="'sb-1' is not a pool name"):
+        cg.create_pooled("sb-1", **_POOL_LIMITS)
+    assert not (k.path("memory") / "corral" / "sb-1").exists()
+    with pytest.raises(HostError, match="bad cgroup name"):
+        cg.create_pooled(cgmod.POOL_PREFIX + "1/2", **_POOL_LIMITS)
+    pooled = cgmod.POOL_PREFIX + "7.0"
+    cg.create_pooled(pooled, **_POOL_LIMITS)
+    _assert_limits(k, pooled, 0.5, 96 << 20, 40)
+    assert cg.pooled() == [pooled] and cg.list() == []
+    cg.rename_pooled(pooled, "sb-1", latency=False, devices=False)
+    _assert_limits(k, "sb-1", 0.5, 96 << 20, 40)
+    assert cg.pooled() == [] and cg.list() == ["sb-1"]
+    cg.remove("sb-1")
+
+
 def test_pool_rename_failure_makes_the_cgroup_instead(make_kernel: KernelFactory) -> None:
     """A rename refused half way (here: the name exists in one hierarchy) is undone, the
     pre-made cgroup goes, and the create makes the cgroup as without a pool."""
@@ -1275,7 +1296,7 @@ def test_pool_start_removes_a_crashed_nodes_cgroups(make_kernel: KernelFactory) 
     k = make_kernel("hybrid")
     cg = open_cg(k, "mountinfo")
     cg.create("sb-1", **_POOL_LIMITS)
-    cg._make(cgmod.POOL_PREFIX + "999.0", 0.5, 96 << 20, 40, 0, False, None)
+    cg.create_pooled(cgmod.POOL_PREFIX + "999.0", **_POOL_LIMITS)
     assert cg.pooled() == [cgmod.POOL_PREFIX + "999.0"]
     pool = _pool(cg)
     assert cg.pooled() == [] and cg.list() == ["sb-1"]

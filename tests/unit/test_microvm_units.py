@@ -366,3 +366,29 @@ def test_report_order_and_fork_kernel(tmp_path: Path) -> None:
     child = qemu.devices_as_in(argv, parent)
     assert child[child.index("-kernel") + 1] == "/old/vmlinuz"
     assert argv[argv.index("-kernel") + 1] != "/old/vmlinuz"  # not changed in place
+
+
+def test_held_in_snapshot_is_the_memory_snapshot_file(tmp_path: Path) -> None:
+    """What a restarted node asks to keep a memory-paused VM paused: its snapshot file
+    (the VMM is gone, its cgroup not frozen)."""
+    from corral.backends.base import HostContext
+    from corral.backends.config import MicroVMConfig
+    from corral.backends.microvm.backend import _SNAP, MicroVMBackend
+    from corral.images.store import LayerStore
+    from corral.testing import FakeCgroups, FakeScratch
+
+    ctx = HostContext(
+        node_id="n",
+        state_dir=tmp_path,
+        run_dir=tmp_path / "run",
+        cgroups=FakeCgroups(),
+        scratch=FakeScratch(tmp_path),
+        store=LayerStore(tmp_path / "store"),
+        host_uid=100000,
+        id_count=65536,
+    )
+    b = MicroVMBackend(MicroVMConfig(), ctx)
+    b.dir("sb-1").mkdir(parents=True)
+    assert not b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
+    (b.dir("sb-1") / _SNAP).write_bytes(b"state")
+    assert b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")

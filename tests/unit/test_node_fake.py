@@ -137,6 +137,38 @@ async def test_recovery_adopts_survivors_and_reports_the_lost(tmp_path: Path) ->
         assert r.ok
 
 
+async def test_recovery_keeps_a_sandbox_held_in_a_memory_snapshot_paused(tmp_path: Path) -> None:
+    """Its cgroup is not frozen (a microVM's VMM is gone, its state in a file), yet the
+    restarted node asks the backend and keeps it paused; a frozen-cgroup pause whose freezer
+    flag was lost runs again."""
+    async with open_fake_node(tmp_path) as node:
+        saved = await node.sandbox_create(SPEC)
+        frozen = await node.sandbox_create(SPEC)
+        for sid in (saved.id, frozen.id):
+            await node.sandbox_pause(sid)
+        _fake(node).hold_in_snapshot(saved.id)
+        assert _fake(node).held_in_snapshot(saved.id)
+        assert not _fake(node).held_in_snapshot(frozen.id)
+    async with open_fake_node(tmp_path) as node:
+        assert not node.cgroups.is_frozen(saved.id)
+        ids = {i.id: i.state for i in await node.sandbox_list()}
+        assert ids == {saved.id: "paused", frozen.id: "running"}
+
+
+async def test_wait_settled_asks_every_backend_within_the_time_given(tmp_path: Path) -> None:
+    async with open_fake_node(tmp_path) as node:
+        assert await node.wait_settled(5.0)  # the fake prepares nothing in the background
+        asked: list[float] = []
+
+        async def not_yet(timeout: float) -> bool:
+            asked.append(timeout)
+            return False
+
+        _fake(node).settle = not_yet  # type: ignore[method-assign]
+        assert not await node.wait_settled(5.0)
+        assert len(asked) == 1 and 0 <= asked[0] <= 5.0
+
+
 async def test_events_page_with_an_opaque_cursor(tmp_path: Path) -> None:
     async with open_fake_node(tmp_path) as node:
         for _ in range(5):

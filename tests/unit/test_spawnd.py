@@ -63,10 +63,10 @@ async def _launch(
 ) -> tuple[int, bytes]:
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        reply = await srv.submit(args, {**fds, 4: w})
+        launch = await srv.submit(args, {**fds, 4: w})
         os.close(w)
         w = -1
-        code = await srv.wait(reply)
+        code = await srv.wait(launch)
         out = b""
         while chunk := os.read(r, 65536):
             out += chunk
@@ -181,11 +181,12 @@ def test_server_death_fails_the_pending_launch_and_the_next_restarts_it(
         srv = spawnd.SpawnServer(helper, str(fake))
         hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
         try:
-            reply = await srv.submit(["block"], {3: hold_r})
+            launch = await srv.submit(["block"], {3: hold_r})
             first = srv.pid
+            assert launch.server_pid == first
             os.kill(first, signal.SIGKILL)
             # The wait ends once the orphaned launcher has (its pidfd): let it go.
-            waiting = asyncio.ensure_future(srv.wait(reply))
+            waiting = asyncio.ensure_future(srv.wait(launch))
             os.close(hold_w)
             hold_w = -1
             with pytest.raises(HostError, match="died before the launcher finished"):
@@ -193,6 +194,49 @@ def test_server_death_fails_the_pending_launch_and_the_next_restarts_it(
             code, _ = await _launch(srv, ["exit", "5"], {})
             assert code == 5
             assert srv.restarts == 1 and srv.pid != first
+        finally:
+            if hold_w >= 0:
+                os.close(hold_w)
+            os.close(hold_r)
+            srv.close()
+
+    asyncio.run(go())
+
+
+def test_a_launch_names_the_server_that_took_it(helper: Path, fake: Path) -> None:
+    """A request taken by a server that has since died and been replaced is waited on
+    after the replacement took its own: each ends by its own server, the old one's death
+    fails only its own request, and the new server is left running. A launch dropped
+    unwaited leaves nothing behind (its launcher ends, the server reaps it)."""
+
+    async def go() -> None:
+        srv = spawnd.SpawnServer(helper, str(fake))
+        hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            old = await srv.submit(["block"], {3: hold_r})
+            first = srv.pid
+            pidfd = os.pidfd_open(first)
+            os.kill(first, signal.SIGKILL)
+            select.select([pidfd], [], [])  # it has exited (its socket end is closed)
+            os.close(pidfd)
+            r, w = os.pipe2(os.O_CLOEXEC)
+            new = await srv.submit(["exit", "4"], {4: w})  # restarts the server
+            os.close(w)
+            second = srv.pid
+            assert (old.server_pid, new.server_pid) == (first, second) and first != second
+            os.close(hold_w)
+            hold_w = -1
+            with pytest.raises(HostError, match="died before the launcher finished"):
+                await srv.wait(old)
+            assert await srv.wait(new) == 4
+            os.close(r)
+            assert old.reply.fileno() == -1 and new.reply.fileno() == -1  # closed by wait
+            assert (srv.pid, srv.restarts, srv.hangs) == (second, 1, 0)
+            dropped = await srv.submit(["exit", "0"], {})
+            dropped.close()
+            assert dropped.reply.fileno() == -1
+            assert (await _launch(srv, ["exit", "6"], {}))[0] == 6
+            assert srv.pid == second
         finally:
             if hold_w >= 0:
                 os.close(hold_w)

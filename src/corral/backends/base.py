@@ -327,6 +327,13 @@ class Backend(Protocol):
 
     def status(self) -> BackendStatus: ...
 
+    async def settle(self, timeout: float) -> bool:
+        """Wait until the work this engine does in the background to make later creates
+        quick is done (the container engine's pre-made cgroups), as on a node that has been
+        up for a while; False if it was not within ``timeout`` seconds. For benches and
+        tests that measure creates, never on a request's path."""
+        ...
+
     async def recovered(self) -> None:
         """After the :meth:`adopt` calls of a restart: release node-wide pieces (layer
         mounts) that no adopted sandbox holds."""
@@ -357,6 +364,14 @@ class Backend(Protocol):
         ...
 
     def alive(self, sandbox_id: str) -> bool: ...
+
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
+        """The sandbox is paused by being saved to a memory snapshot (a microVM whose VMM
+        ended, its state in a file until a request or a resume restores it) rather than by
+        a frozen cgroup. A restarted node keeps such a sandbox paused though its cgroup is
+        not frozen (:meth:`corral.node.pause.Pauser.recovered`). False on an engine that
+        never saves one."""
+        ...
 
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose

@@ -30,6 +30,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
 from corral.host import initfs, launch, mounts
 from corral.host._aio import fd_ready
+from corral.host.cgroups import CgroupPool
 from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
 from corral.host.runtime import OCIRuntime
@@ -119,6 +121,9 @@ class ContainerBackend:
         self._seccomp_bpf: dict[str, str] = {}
         self._adopted_layers: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._sweep_wake = asyncio.Event()
+        """Set when a layer starts to linger (:meth:`_lingered`): the sweeper's wake-up."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
 
     # ------------------------------------------------------------------ node-wide
@@ -128,6 +133,7 @@ class ContainerBackend:
         if self._started:
             return
         ctx = self.ctx
+        self._loop, self._sweep_wake = asyncio.get_running_loop(), asyncio.Event()
         self.runtime = self._pick_runtime()
         opened: list[Callable[[], object]] = [self.runtime.close]
         try:
@@ -152,6 +158,7 @@ class ContainerBackend:
                 leases=ctx.store.leases(f"node-{ctx.node_id}"),
                 hot=HotBlocks(ctx.store) if ctx.layer_prefetch else None,
                 linger=ctx.layer_linger,
+                lingered=self._lingered,
             )
             # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
             self.owners = OwnerUids(self._owner_first, self.config.owner_uids)
@@ -167,22 +174,37 @@ class ContainerBackend:
             self._sweeper = asyncio.ensure_future(self._sweep_layers())
         self._started = True
 
+    def _lingered(self) -> None:
+        """A layer started to linger (called in the thread that released it): wake the
+        sweeper."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody sweeps
+                self._loop.call_soon_threadsafe(self._sweep_wake.set)
+
     async def _sweep_layers(self) -> None:
-        """Unmount layers unused for ``layer_linger`` seconds, checking a few times per
-        linger (so one goes between 1 and 1.25 lingers after its last sandbox)."""
-        period = max(self.layers.linger / 4, 0.25)
+        """Unmount each layer once it has been unused for ``layer_linger`` seconds.
+        Asleep while no layer lingers (a release that leaves one lingering wakes it), else
+        until the one lingering longest is due: a layer that starts to linger later is due
+        later, so nothing has to cut that sleep short."""
         while True:
-            await asyncio.sleep(period)
-            if not self.layers.lingering():
+            self._sweep_wake.clear()  # before the look: a release after it sets it again
+            due = self.layers.next_due()
+            if due is None:
+                await self._sweep_wake.wait()
                 continue
+            left = due - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue  # taken again meanwhile? then it is no longer due
             job = asyncio.ensure_future(asyncio.to_thread(self.layers.sweep))
             try:
                 await asyncio.shield(job)
             except asyncio.CancelledError:  # stop(): let the unmounts under way finish first
                 await asyncio.wait([job])
                 raise
-            except (HostError, OSError) as e:  # tried again next time; the node runs on
+            except (HostError, OSError) as e:  # tried again a little later; the node runs on
                 log.warning("layer sweep: %s", e)
+                await asyncio.sleep(max(self.layers.linger / 4, 0.25))
 
     def _pick_runtime(self) -> OCIRuntime | Launcher:
         """corral's launcher where the kernel has what it needs (``auto``) or when asked
@@ -280,14 +302,26 @@ class ContainerBackend:
         return removed
 
     def status(self) -> BackendStatus:
-        return BackendStatus(
-            kind=self.kind,
-            ok=self._started,
-            detail={
-                "runtime": self.runtime.name if self._started else "",
-                "layer_mounts": str(len(self.layers.mounted())) if self._started else "0",
-            },
-        )
+        detail = {
+            "runtime": self.runtime.name if self._started else "",
+            "layer_mounts": str(len(self.layers.mounted())) if self._started else "0",
+        }
+        pool = self._cgroup_pool()
+        if pool is not None:  # pre-made cgroups: per limits, and creates that got one
+            detail["cgroup_pool_size"] = str(pool.size)
+            detail["cgroup_pool_taken"] = str(pool.taken)
+        return BackendStatus(kind=self.kind, ok=self._started, detail=detail)
+
+    def _cgroup_pool(self) -> CgroupPool | None:
+        """The launcher's pre-made cgroups (v1 and hybrid); None with an OCI runtime."""
+        if not self._started or self.host_mounted_root:
+            return None
+        return self.launcher.pool
+
+    async def settle(self, timeout: float) -> bool:
+        """Until the pre-made cgroups of the limits created lately are all made."""
+        pool = self._cgroup_pool()
+        return True if pool is None else await asyncio.to_thread(pool.wait_full, timeout)
 
     # ------------------------------------------------------------------ paths and handles
     @property
@@ -741,6 +775,10 @@ class ContainerBackend:
             if pid:
                 return int(pid)
         return None
+
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
+        """Never: a container is paused only by freezing its cgroup."""
+        return False
 
     def alive(self, sandbox_id: str) -> bool:
         pid = self.init_pid(sandbox_id)

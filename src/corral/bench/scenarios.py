@@ -216,20 +216,27 @@ async def _warm_up(client: AsyncClient, img: ImageInfo) -> None:
     await _settled(client)
 
 
-async def _cgroup_pool(client: AsyncClient) -> Any:
-    """The node's pool of pre-made cgroups (host/cgroups.py, CgroupPool), if it has one
-    (an embedded node with the launcher on cgroup v1)."""
-    backends = getattr(await client._get_ops(), "backends", None)
-    runtime = getattr(backends.get("container"), "runtime", None) if backends else None
-    return getattr(runtime, "pool", None)
+async def _cgroup_pool(client: AsyncClient) -> dict[str, int] | None:
+    """The container engine's pre-made cgroups (host/cgroups.py, CgroupPool), as its node
+    status reports them: the pool size per limits and the creates that got one; None
+    without a pool (an OCI runtime, or cgroup v2)."""
+    for b in (await client.node_status()).backends:
+        if b.kind == "container" and "cgroup_pool_taken" in b.detail:
+            return {
+                "size": int(b.detail["cgroup_pool_size"]),
+                "taken": int(b.detail["cgroup_pool_taken"]),
+            }
+    return None
 
 
 async def _settled(client: AsyncClient) -> None:
     """Wait until the node's pre-made cgroups of the warm-up's limits are made, as on a
-    node that has been up for a while."""
-    pool = await _cgroup_pool(client)
-    if pool is not None:
-        await asyncio.to_thread(pool.wait_full, 60.0)
+    node that has been up for a while (an embedded node's; another's settles by itself)."""
+    from corral.node import Node  # the embedded node: it is imported when the client opens
+
+    node = await client._get_ops()
+    if isinstance(node, Node):
+        await node.wait_settled(60.0)
 
 
 async def _create_n(
@@ -308,7 +315,7 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
                 out["cpu_ms_per_create"] = cpu.per_op(count - len(t.errors))
                 pool = await _cgroup_pool(client)
                 if pool is not None:  # creates that got a pre-made cgroup
-                    out["cgroup_pool"] = {"size": pool.size, "taken": pool.taken}
+                    out["cgroup_pool"] = pool
                 out["phases_ms"] = await _create_phases(client, "create", since)
                 # Serial creates vary by several ms here: 100 of each (interleaved in
                 # blocks) resolve a 2% difference where 20 did not.

@@ -383,6 +383,29 @@ class Cgroups:
         _check_sandbox_name(name)
         self._make(name, cpus, memory, pids, swap, latency, devices)
 
+    def create_pooled(
+        self,
+        name: str,
+        *,
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None = 0,
+        latency: bool = False,
+        devices: Sequence[str] | None = None,
+    ) -> None:
+        """Create the pre-made cgroup ``name`` (:class:`CgroupPool`'s, named with
+        :data:`POOL_PREFIX`, which :meth:`create` refuses) with the limits :meth:`create`
+        would write; :meth:`rename_pooled` later gives it a sandbox's name. Pooled cgroups
+        are kept apart by name so that :meth:`list` (gc, the leak checks) never counts one
+        as a sandbox, and a crashed node's are found by :meth:`pooled`."""
+        if not name.startswith(POOL_PREFIX):
+            raise HostError(
+                f"cgroups: {name!r} is not a pool name (a pre-made cgroup's name starts "
+                f"with {POOL_PREFIX!r}; a sandbox's cgroup is made by create)"
+            )
+        self._make(name, cpus, memory, pids, swap, latency, devices)
+
     def _make(
         self,
         name: str,
@@ -1059,7 +1082,15 @@ class CgroupPool:
                         self.cgroups.remove(n)
                     continue
                 latency, cpus, memory, swap, pids, devices = key
-                self.cgroups._make(make, cpus, memory, pids, swap, latency, devices)
+                self.cgroups.create_pooled(
+                    make,
+                    cpus=cpus,
+                    memory=memory,
+                    pids=pids,
+                    swap=swap,
+                    latency=latency,
+                    devices=devices,
+                )
             except HostError as e:
                 # Creates make their own meanwhile; the next try is after the next create.
                 log.warning("cgroup pool: %s", e.message)

@@ -18,6 +18,9 @@ Example::
 
     srv = SpawnServer(Path("/var/lib/corral/bin/corral-spawnd-…"), launcher_path)
     status = await srv.run(["-x", "/.corral/init", "--", ...], {3: ctl, 4: report_w})
+    launch = await srv.submit(args, {3: ctl})   # in two steps: once submitted, the
+    os.close(ctl)                               # server holds its own copy of ctl
+    status = await srv.wait(launch)
     srv.close()
 """
 
@@ -33,6 +36,7 @@ import signal
 import socket
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -41,7 +45,7 @@ from corral.errors import HostError
 from corral.host import cbuild
 from corral.host._aio import fd_ready
 
-__all__ = ["SOURCE", "SpawnServer", "cpu_seconds", "ensure_built"]
+__all__ = ["SOURCE", "Launch", "SpawnServer", "cpu_seconds", "ensure_built"]
 
 log = logging.getLogger("corral.spawnd")
 
@@ -74,6 +78,24 @@ def ensure_built(out_dir: Path) -> Path:
     return cbuild.build_static("corral-spawnd", SOURCE.read_bytes(), CFLAGS, out_dir)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A launcher run a spawn server took (:meth:`SpawnServer.submit`): what
+    :meth:`SpawnServer.wait` needs to learn how it ended. It carries the server's pid
+    itself, so a request always blames the server that took it (a later one may run by
+    then), and nothing is left in the server for one that is dropped unwaited."""
+
+    reply: socket.socket
+    """Where the server answers: the launcher's pidfd, then its wait status. Closed by
+    :meth:`SpawnServer.wait`, or by :meth:`close` when nobody will wait."""
+    server_pid: int
+    """The server that took the request: the one killed if it stops answering."""
+
+    def close(self) -> None:
+        """Drop the request unwaited (the launcher runs on; the server reaps it)."""
+        self.reply.close()
+
+
 class SpawnServer:
     """A running corral-spawnd, restarted on the next request if it died.
 
@@ -88,8 +110,6 @@ class SpawnServer:
         """See :data:`SPAWN_TIMEOUT`."""
         self._sock: socket.socket | None = None
         self._pid = -1
-        self._sent_to: dict[int, int] = {}
-        """id of a reply socket from :meth:`submit` -> pid of the server that took it."""
         self.restarts = 0
         self.hangs = 0
         """Servers killed because they did not answer in time (counted in restarts too)."""
@@ -187,9 +207,9 @@ class SpawnServer:
         """:meth:`submit` then :meth:`wait`."""
         return await self.wait(await self.submit(args, fds))
 
-    async def submit(self, args: Sequence[str], fds: Mapping[int, int]) -> socket.socket:
+    async def submit(self, args: Sequence[str], fds: Mapping[int, int]) -> Launch:
         """Start the launcher with ``args`` (after argv[0]) and ``fds`` ({target 3..7: our
-        fd}); returns the reply socket to :meth:`wait` on. Once this returns the server
+        fd}); returns the :class:`Launch` to :meth:`wait` on. Once this returns the server
         holds its own copies of ``fds`` (the caller may close its ones; not before).
 
         HostError if the request cannot be sent (the server died twice in a row)."""
@@ -225,8 +245,7 @@ class SpawnServer:
             raise
         finally:
             theirs.close()
-        self._sent_to[id(mine)] = self._pid
-        return mine
+        return Launch(mine, self._pid)
 
     def _hung(self, pid: int, doing: str) -> HostError:
         """Kill server ``pid`` if it is still the current one (the next request starts a
@@ -248,12 +267,12 @@ class SpawnServer:
             f"{doing} (stopped or hung): it was killed, and the next create starts a new one"
         )
 
-    async def wait(self, reply: socket.socket) -> int:
-        """The launcher's exit status (as :func:`os.waitstatus_to_exitcode`) from the
-        reply socket of :meth:`submit`, which this closes. HostError if the server could
-        not run it, or died first: then only once the launcher itself has ended (its pidfd,
-        which the server sent first), so the caller's undo finds what it made."""
-        pid = self._sent_to.pop(id(reply), -1)
+    async def wait(self, launch: Launch) -> int:
+        """The launcher's exit status (as :func:`os.waitstatus_to_exitcode`) of a
+        :meth:`submit`; closes its reply socket. HostError if the server could not run it,
+        or died first: then only once the launcher itself has ended (its pidfd, which the
+        server sent first), so the caller's undo finds what it made."""
+        reply, pid = launch.reply, launch.server_pid
         pidfd = -1
         try:
             got = await _recv(reply, self.timeout)

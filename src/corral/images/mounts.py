@@ -21,9 +21,10 @@ With ``linger`` (seconds), a layer whose last sandbox went stays mounted (and le
 long: an RL loop that destroys a sandbox and creates the next from the same image, or a
 burst after a quiet spell, then takes the mounted layer instead of verifying (reading the
 whole file, over the network on a shared store) and mounting it again. :meth:`sweep`
-unmounts the layers idle past ``linger``; the backend calls it periodically. A lingering
-layer is not in :meth:`mounted` (no sandbox uses it) but its lease keeps store gc off it
-until it is swept.
+unmounts the layers idle past ``linger``; the backend calls it when :meth:`next_due` says
+one is due, and sleeps while none lingers (``lingered`` wakes it when one starts to). A
+lingering layer is not in :meth:`mounted` (no sandbox uses it) but its lease keeps store gc
+off it until it is swept.
 
 Example::
 
@@ -72,7 +73,11 @@ class LayerMounts:
         leases: Leases | None = None,
         hot: HotBlocks | None = None,
         linger: float = 0.0,
+        lingered: Callable[[], None] = lambda: None,
     ) -> None:
+        """``lingered``: called when a layer starts to linger, in the thread that released
+        it with that layer's lock held (so it must not acquire or release): the sweeper's
+        wake-up."""
         self.mount_root = Path(mount_root)
         self.raw_root = self.mount_root / "raw"
         self.idmap_root = self.mount_root / "idmap"
@@ -85,6 +90,7 @@ class LayerMounts:
         self._lock = threading.Lock()  # guards _counts and _locks
         self._counts: dict[str, int] = {}
         self.linger = linger
+        self._lingered = lingered
         self._idle: dict[str, float] = {}  # digest -> monotonic time its last user went
         # One lock per digest, so a slow first mount (verify hashes the whole file)
         # of one layer does not hold up acquires of others.
@@ -187,6 +193,7 @@ class LayerMounts:
                 with self._lock:
                     del self._counts[digest]
                     self._idle[digest] = time.monotonic()
+                self._lingered()
                 return
             self._drop(digest)
 
@@ -206,6 +213,12 @@ class LayerMounts:
         """Digests of the layers still mounted that no sandbox uses (see ``linger``)."""
         with self._lock:
             return list(self._idle)
+
+    def next_due(self) -> float | None:
+        """When (a :func:`time.monotonic` value) the layer lingering longest is due to be
+        swept; None while no layer lingers."""
+        with self._lock:
+            return min(self._idle.values()) + self.linger if self._idle else None
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Unmount the layers no sandbox has used for ``linger`` seconds (as of ``now``, a

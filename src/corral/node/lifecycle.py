@@ -171,12 +171,11 @@ class Lifecycle:
             started = None
             if adoptable and backend is not None:
                 started = await backend.adopt(info.id, info.image_info())
-            if started is None:
+            if backend is None or started is None:
                 lost.append(info)
                 continue
             self.table.add(info)
-            saved = getattr(backend, "saved", None)  # a VM held in a memory snapshot
-            self.pauser.recovered(info, saved=saved is not None and saved(info.id))
+            self.pauser.recovered(info, saved=backend.held_in_snapshot(info.id))
             self.security.adopted(info.id)
         for backend in self.backends.all():
             await backend.recovered()

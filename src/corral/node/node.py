@@ -618,6 +618,25 @@ class Node:
     async def node_status(self) -> NodeStatus:
         return await statusmod.node_status(self)
 
+    async def wait_settled(self, timeout: float) -> bool:
+        """Wait until every backend's background preparation for later creates is done
+        (:meth:`corral.backends.base.Backend.settle`: the container engine's pre-made
+        cgroups), as on a node that has been up for a while; False if some backend was not
+        within ``timeout`` seconds. For benches and tests that time creates.
+
+        Example::
+
+            await node.sandbox_create(spec)    # the first of these limits: a pool for them
+            assert await node.wait_settled(60)  # the next create takes a pre-made cgroup
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        settled = True
+        for backend in self.backends.all():
+            left = max(deadline - loop.time(), 0.0)
+            settled = await backend.settle(left) and settled
+        return settled
+
     # ------------------------------------------------------------------ gc, reaper
     async def gc(self, everything: bool = False) -> dict[str, int]:
         """Remove what a crash left behind; with ``everything``, destroy all sandboxes too."""

@@ -186,6 +186,10 @@ class MicroVMBackend:
     async def recovered(self) -> None:
         """Nothing node-wide is held per VM."""
 
+    async def settle(self, timeout: float) -> bool:
+        """Nothing is prepared in the background."""
+        return True
+
     async def gc(self, live: set[str]) -> dict[str, int]:
         """VMMs, cgroups and sandbox dirs of no live sandbox (the container engine's gc
         removes the same kinds of leftovers by the same rule; whichever runs first)."""
@@ -280,7 +284,7 @@ class MicroVMBackend:
         """The VMM runs, or the VM is saved to a memory snapshot (its netns holder runs)."""
         if _running(self.vmm_pid(sandbox_id)):
             return True
-        if not self.saved(sandbox_id):
+        if not self.held_in_snapshot(sandbox_id):
             return False
         try:  # a VMM just ended by a save or a failed restore may still be a zombie
             return _running(self._holder(sandbox_id))
@@ -554,7 +558,7 @@ class MicroVMBackend:
             raise HostError(f"sandbox {sandbox_id} destroy left problems: " + "; ".join(errors))
 
     # ------------------------------------------------------------------ memory snapshots
-    def saved(self, sandbox_id: str) -> bool:
+    def held_in_snapshot(self, sandbox_id: str) -> bool:
         """The VM is saved to its memory snapshot file (the VMM gone until a request)."""
         return (self.dir(sandbox_id) / _SNAP).exists()
 
@@ -730,7 +734,7 @@ class MicroVMBackend:
             return await self._copy_upper(sandbox_id, dst)
         d = self.dir(sandbox_id)
         scratch = self.scratch
-        if self.saved(sandbox_id):
+        if self.held_in_snapshot(sandbox_id):
             await in_thread(scratch.snapshot, sandbox_id, dst, None)
             os.replace(scratch.mountpoint / dst / _SNAP, scratch.mountpoint / dst / _FORK)
             return 0.0
@@ -845,7 +849,7 @@ class MicroVMBackend:
         freezer, :mod:`.freeze`: QMP ``stop`` would stop the agent too), thawed when the
         stream ends, and by a second exec if the stream was cut. Returns 0.0 (the host
         held nothing frozen)."""
-        if self.saved(sandbox_id) or self.cgroups.is_frozen(sandbox_id):
+        if self.held_in_snapshot(sandbox_id) or self.cgroups.is_frozen(sandbox_id):
             raise Conflict(
                 f"sandbox {sandbox_id} is paused: resume it before a snapshot of a microVM "
                 "(its agent streams the files out)"
