@@ -392,3 +392,29 @@ def test_held_in_snapshot_is_the_memory_snapshot_file(tmp_path: Path) -> None:
     assert not b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
     (b.dir("sb-1") / _SNAP).write_bytes(b"state")
     assert b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
+
+
+def test_vm_engines_offer_memory_snapshots(tmp_path: Path) -> None:
+    """What the node asks every engine before a memory pause (Backend.memory_snapshots):
+    the VM engines save to memory snapshots, containers do not."""
+    from corral.backends.base import HostContext
+    from corral.backends.config import MicroVMConfig, VMConfig
+    from corral.backends.container import ContainerBackend
+    from corral.backends.microvm.backend import MicroVMBackend
+    from corral.backends.vm.backend import VMBackend
+    from corral.images.store import LayerStore
+    from corral.testing import FakeCgroups, FakeScratch
+
+    ctx = HostContext(
+        node_id="n",
+        state_dir=tmp_path,
+        run_dir=tmp_path / "run",
+        cgroups=FakeCgroups(),
+        scratch=FakeScratch(tmp_path),
+        store=LayerStore(tmp_path / "store"),
+        host_uid=100000,
+        id_count=65536,
+    )
+    for b in (MicroVMBackend(MicroVMConfig(), ctx), VMBackend(VMConfig(), ctx)):
+        assert b.memory_snapshots
+    assert not ContainerBackend.memory_snapshots

@@ -21,7 +21,7 @@ Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0``
 attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
 and is the pid the node knows the sandbox by. Pause: the node's shared cgroup freeze, or
 :meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
-the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
+the first request, or :meth:`MicroVMBackend.restore_memory`, starts it again from the file).
 Fork: the machine is migrated into the fork copy with the disk (:meth:`copy_writable`),
 each child restored from it (:meth:`_create_fork`). Snapshot to a store layer: the
 writable layer is an ext4 image the host never mounts, so the guest streams its overlay
@@ -86,6 +86,7 @@ class MicroVMBackend:
     :class:`corral.backends.base.Backend`."""
 
     kind = "microvm"
+    memory_snapshots = True
 
     def __init__(self, config: MicroVMConfig, ctx: HostContext) -> None:
         self.config = config
@@ -565,14 +566,14 @@ class MicroVMBackend:
     def _new_mux(self, sandbox_id: str) -> HostMux:
         d = self.dir(sandbox_id)
         return HostMux(
-            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore(sandbox_id)
+            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore_memory(sandbox_id)
         )
 
     async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
         """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
         and end the VMM: nothing of the guest stays in host memory (the file's page cache
         is dropped too). The node keeps listening on the sandbox's control socket; the
-        next request (or :meth:`restore`) brings the VM back from the file. Returns figures
+        next request (or :meth:`restore_memory`) brings the VM back from the file. Returns figures
         for the node's ``paused`` event."""
         d = self.dir(sandbox_id)
         pid = self.vmm_pid(sandbox_id)
@@ -662,7 +663,7 @@ class MicroVMBackend:
         log.warning("finishing the cgroup recycle of %s", sandbox_id)
         self.cgroups.finish_recycle(sandbox_id, settings, tmp)
 
-    async def restore(
+    async def restore_memory(
         self, sandbox_id: str, timeout: float = 300.0, new_netns: bool = False
     ) -> float:
         """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
@@ -820,7 +821,7 @@ class MicroVMBackend:
             await mux.start(attach=False)
             self._mux[sandbox_id] = mux
             undo.append(lambda: self._drop_mux(sandbox_id))
-            await self.restore(sandbox_id, new_netns=True)
+            await self.restore_memory(sandbox_id, new_netns=True)
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
             mac = files.mac
