@@ -429,6 +429,8 @@ class FakeBackend:
     sandbox is marked held in a snapshot; nothing is saved), else refuses it as a
     container's does."""
 
+    accel: str | None = None
+
     def __init__(
         self, ctx: HostContext, kind: str = "container", *, memory_snapshots: bool = False
     ) -> None:

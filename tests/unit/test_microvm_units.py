@@ -394,9 +394,10 @@ def test_held_in_snapshot_is_the_memory_snapshot_file(tmp_path: Path) -> None:
     assert b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
 
 
-def test_vm_engines_offer_memory_snapshots(tmp_path: Path) -> None:
-    """What the node asks every engine before a memory pause (Backend.memory_snapshots):
-    the VM engines save to memory snapshots, containers do not."""
+def test_vm_engines_offer_memory_snapshots_and_an_accelerator(tmp_path: Path) -> None:
+    """What the node asks every engine (Backend.memory_snapshots, Backend.accel): the VM
+    engines save to memory snapshots and know their accelerator once started; containers
+    do neither."""
     from corral.backends.base import HostContext
     from corral.backends.config import MicroVMConfig, VMConfig
     from corral.backends.container import ContainerBackend
@@ -416,5 +417,6 @@ def test_vm_engines_offer_memory_snapshots(tmp_path: Path) -> None:
         id_count=65536,
     )
     for b in (MicroVMBackend(MicroVMConfig(), ctx), VMBackend(VMConfig(), ctx)):
-        assert b.memory_snapshots
-    assert not ContainerBackend.memory_snapshots
+        assert b.memory_snapshots and b.accel is None  # not started: no probe yet
+        assert b.status().accel is None
+    assert not ContainerBackend.memory_snapshots and ContainerBackend.accel is None

@@ -176,6 +176,15 @@ async def test_memory_snapshot_pause_is_the_backends_to_offer(tmp_path: Path) ->
         assert not _fake(node).held_in_snapshot(info.id)
 
 
+async def test_a_sandbox_carries_its_engines_accelerator(tmp_path: Path) -> None:
+    """SandboxInfo.accel is the engine's Backend.accel: None for one without (containers)."""
+    async with open_fake_node(tmp_path) as node:
+        assert (await node.sandbox_create(SPEC)).accel is None
+        _fake(node).accel = "tcg"  # as a VM engine's probe boot would find
+        info = await node.sandbox_create(SPEC)
+        assert info.accel == "tcg" and (await node.sandbox_get(info.id)).accel == "tcg"
+
+
 async def test_wait_settled_asks_every_backend_within_the_time_given(tmp_path: Path) -> None:
     async with open_fake_node(tmp_path) as node:
         assert await node.wait_settled(5.0)  # the fake prepares nothing in the background

@@ -317,6 +317,13 @@ class Backend(Protocol):
     the VM engines. The node asks before it pauses anything, and refuses
     ``pause(memory_snapshot=True)`` on any other engine."""
 
+    @property
+    def accel(self) -> str | None:
+        """The accelerator this engine's sandboxes run under (``kvm`` or ``tcg``, as the
+        config says or a probe boot at :meth:`start` found), copied into each sandbox's
+        info; None for an engine without one (containers), or not known yet."""
+        ...
+
     # node-wide
     async def start(self) -> None:
         """Prepare what every sandbox of this engine needs (idempotent after a crash)."""

@@ -98,6 +98,7 @@ class ContainerBackend:
 
     kind = "container"
     memory_snapshots = False
+    accel: str | None = None
 
     runtime: OCIRuntime | Launcher
     userns: UserNamespace

@@ -106,7 +106,8 @@ class MicroVMBackend:
         """sandbox -> its cgroup recycle in progress (a destroy waits for it: else it could
         remove the cgroup the recycle then makes again, with the holder in it)."""
         self._started = False
-        self.accel = ""
+        self._accel = ""
+        """``kvm`` or ``tcg`` once :meth:`start` knows (config, cached probe or a probe boot)."""
         self.accel_detail = ""
         self.kernel: guest.Kernel | None = None
         self.boot_kernel: Path | None = None
@@ -152,16 +153,16 @@ class MicroVMBackend:
         pvh = await asyncio.to_thread(guest.pvh_kernel, self.kernel, self._dir)
         self.boot_kernel = pvh or self.kernel.vmlinuz
         if self.config.accel != "auto":
-            self.accel, self.accel_detail = self.config.accel, "configured"
+            self._accel, self.accel_detail = self.config.accel, "configured"
         else:
             cache = self._dir / f"accel-{self.kernel.version}"
             try:
-                self.accel, _, self.accel_detail = cache.read_text().partition("\n")
+                self._accel, _, self.accel_detail = cache.read_text().partition("\n")
             except OSError:
-                self.accel, self.accel_detail = await qemu.probe_accel(
+                self._accel, self.accel_detail = await qemu.probe_accel(
                     self.kernel.vmlinuz, self.initrd
                 )
-                cache.write_text(f"{self.accel}\n{self.accel_detail}")
+                cache.write_text(f"{self._accel}\n{self.accel_detail}")
 
     def _charge_shared_files(self) -> None:
         """QEMU, its libraries, the kernel and the initramfs into the page cache from the
@@ -221,7 +222,7 @@ class MicroVMBackend:
         return BackendStatus(
             kind=self.kind,
             ok=self._started and not self.broken,
-            accel=self.accel or None,
+            accel=self.accel,
             detail={
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
@@ -392,11 +393,16 @@ class MicroVMBackend:
             await self._boot_wait(sandbox_id)
 
     @property
+    def accel(self) -> str | None:
+        """The accelerator the VMs run under; None until :meth:`start` found it."""
+        return self._accel or None
+
+    @property
     def _thp(self) -> bool:
         """Back guest RAM with host huge pages: under KVM (the guest's memory accesses go
         through 2 MiB mappings), not under TCG, where they buy nothing and keep freed
         guest memory held (:data:`.qemu._NO_THP`)."""
-        return self.accel != "tcg"
+        return self._accel != "tcg"
 
     @property
     def _uid(self) -> int:
@@ -414,7 +420,7 @@ class MicroVMBackend:
             )
         return qemu.vm_argv(
             files,
-            accel=self.accel,
+            accel=self._accel,
             cpus=max(1, math.ceil(spec.limits.cpus)),
             memory_mib=mem_mib,
             runas=f"{uid}:{uid}",
@@ -478,7 +484,7 @@ class MicroVMBackend:
         gone = "" if self.alive(sandbox_id) else " (the VMM exited)"
         raise SandboxError(
             f"sandbox {sandbox_id}: the microVM's agent did not answer within {t:g} s "
-            f"(accel {self.accel}){gone}: {why}; VMM killed; console: {tail or '(empty)'}"
+            f"(accel {self._accel}){gone}: {why}; VMM killed; console: {tail or '(empty)'}"
         )
 
     async def _drop_mux(self, sandbox_id: str) -> None:
