@@ -70,7 +70,7 @@ from corral.backends.microvm.vmux import HostMux
 from corral.errors import BuildError, Conflict, HostError, SandboxError
 from corral.images.pack import pack_tree
 from corral.images.uppertar import unpack_upper
-from corral.init import ensure_built
+from corral.init import ensure_built, ensure_nothp_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
 
@@ -109,6 +109,8 @@ class MicroVMBackend:
         self._accel = ""
         """``kvm`` or ``tcg`` once :meth:`start` knows (config, cached probe or a probe boot)."""
         self.accel_detail = ""
+        self._no_thp: Path | None = None
+        """corral-nothp, built at :meth:`start` when QEMU is to run without THP (:attr:`_thp`)."""
         self.kernel: guest.Kernel | None = None
         self.boot_kernel: Path | None = None
         """What QEMU boots: the kernel's uncompressed ELF for a PVH boot where it has one
@@ -128,6 +130,10 @@ class MicroVMBackend:
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
             await self._prepare()
+            if not self._thp:
+                self._no_thp = await asyncio.to_thread(
+                    ensure_nothp_built, self.ctx.state_dir / "bin"
+                )
             await asyncio.to_thread(self._charge_shared_files)
         except HostError as e:
             # The node runs on (its other engines are fine); this one says why it cannot.
@@ -374,7 +380,7 @@ class MicroVMBackend:
             argv,
             uid=self._uid,
             holder_file=d / "netns.pid",
-            thp=self._thp,
+            no_thp=self._no_thp,
         )
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
@@ -401,7 +407,7 @@ class MicroVMBackend:
     def _thp(self) -> bool:
         """Back guest RAM with host huge pages: under KVM (the guest's memory accesses go
         through 2 MiB mappings), not under TCG, where they buy nothing and keep freed
-        guest memory held (:data:`.qemu._NO_THP`)."""
+        guest memory held (corral-nothp, see :func:`.qemu.trampoline`)."""
         return self._accel != "tcg"
 
     @property
@@ -696,7 +702,7 @@ class MicroVMBackend:
             uid=self._uid,
             holder_file=d / "netns.pid",
             join_netns=None if new_netns else self._holder(sandbox_id),
-            thp=self._thp,
+            no_thp=self._no_thp,
         )
         # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
         # netns and cgroup (see create()).
