@@ -41,6 +41,7 @@ from corral.backends.base import (
     NoPhases,
     Phases,
     Started,
+    no_memory_snapshots,
 )
 from corral.backends.files import SandboxFS
 from corral.backends.initclient import ExecStream, InitExit, InitProc
@@ -423,10 +424,18 @@ class FakeBackend:
     """A :class:`Backend` without a kernel (see the module docstring).
 
     ``fail_creates``: how many of the next creates raise HostError (fault injection);
-    ``kill(sid)`` makes a sandbox's agent die (the reaper then finds it dead)."""
+    ``kill(sid)`` makes a sandbox's agent die (the reaper then finds it dead).
+    ``memory_snapshots``: the engine answers :meth:`pause_memory` as a microVM's does (the
+    sandbox is marked held in a snapshot; nothing is saved), else refuses it as a
+    container's does."""
 
-    def __init__(self, ctx: HostContext, kind: str = "container") -> None:
+    accel: str | None = None
+
+    def __init__(
+        self, ctx: HostContext, kind: str = "container", *, memory_snapshots: bool = False
+    ) -> None:
         self.kind = kind
+        self.memory_snapshots = memory_snapshots
         self.ctx = ctx
         self.cgroups = ctx.cgroups
         self.scratch = ctx.scratch
@@ -511,8 +520,11 @@ class FakeBackend:
         """Test hook: the sandbox is held in a memory snapshot, as a microVM's memory pause
         leaves it. Kept in the sandbox's record, so a restarted node's backend answers the
         same (the node's recovery is what this is for)."""
+        self._mark_in_snapshot(sandbox_id, True)
+
+    def _mark_in_snapshot(self, sandbox_id: str, held: bool) -> None:
         rec = self._meta / sandbox_id
-        rec.write_text(json.dumps({**json.loads(rec.read_text()), "in_snapshot": True}))
+        rec.write_text(json.dumps({**json.loads(rec.read_text()), "in_snapshot": held}))
 
     def held_in_snapshot(self, sandbox_id: str) -> bool:
         try:
@@ -520,6 +532,18 @@ class FakeBackend:
         except (OSError, ValueError):
             return False
         return bool(rec.get("in_snapshot"))
+
+    async def pause_memory(self, sandbox_id: str) -> dict[str, object]:
+        if not self.memory_snapshots:
+            raise no_memory_snapshots(self.kind)
+        self._mark_in_snapshot(sandbox_id, True)
+        return {"memory_snapshot": True, "snapshot_bytes": 0}
+
+    async def restore_memory(self, sandbox_id: str) -> object:
+        if not self.memory_snapshots:
+            raise no_memory_snapshots(self.kind)
+        self._mark_in_snapshot(sandbox_id, False)
+        return 0.0
 
     async def kill_all(self, sandbox_id: str) -> bool:
         agent = self._agents.get(sandbox_id)
@@ -566,9 +590,12 @@ class FakeBackend:
 
 
 @contextlib.asynccontextmanager
-async def open_fake_node(root: Path, **config: object) -> AsyncIterator[Node]:
+async def open_fake_node(
+    root: Path, *, memory_snapshots: bool = False, **config: object
+) -> AsyncIterator[Node]:
     """A real :class:`Node` on :class:`FakeBackend` in ``root`` (no root privileges), with
-    one image ``fake/base`` (an empty layer list) in its store."""
+    one image ``fake/base`` (an empty layer list) in its store; ``memory_snapshots``: the
+    backend's (see :class:`FakeBackend`), ``config``: the node's."""
     from corral.node.config import NodeConfig
     from corral.node.node import Node
 
@@ -583,7 +610,9 @@ async def open_fake_node(root: Path, **config: object) -> AsyncIterator[Node]:
     info = store.add_file(layer, kind="dir", source="corral.testing_backend")
     store.put_image("fake/base", [info.digest])
     node = await Node.assemble(
-        cfg, lambda ctx: [FakeBackend(ctx)], (FakeCgroups(), FakeScratch(root / "state"))
+        cfg,
+        lambda ctx: [FakeBackend(ctx, memory_snapshots=memory_snapshots)],
+        (FakeCgroups(), FakeScratch(root / "state")),
     )
     try:
         yield node

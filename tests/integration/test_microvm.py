@@ -108,6 +108,10 @@ async def test_create_exec_files_destroy(vmnode):  # type: ignore[no-untyped-def
     info = await vmnode.sandbox_create(_spec())
     try:
         assert info.accel == status.accel and info.backend == "microvm"
+        # under TCG QEMU was started through corral-nothp: THP off (kept across its exec)
+        b = vmnode.backends.get("microvm")
+        thp = Path(f"/proc/{b.vmm_pid(info.id)}/status").read_text()
+        assert ("THP_enabled:\t0" in thp) == (status.accel == "tcg"), thp
         # the image's layers are mapped from the store's files as pmem, mounted with DAX
         assert info.layer_access == "dax", info
         r = await vmnode.exec(info.id, ExecRequest(cmd=["sh", "-c", "ls /sys/block"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -78,6 +79,34 @@ async def test_frames_cut_anywhere_arrive_whole(fake) -> None:  # type: ignore[n
     res = await init.exec(["x"], env=ENV)
     assert (res.reason, res.code, res.pid) == ("exited", 3, 42)
     assert (res.stdout, res.stderr) == (b"hello world\n", b"oops\n")
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["loop", "thread"])
+async def test_short_reads_are_gathered_the_same_on_the_loop_and_in_a_thread(
+    blocking: bool,
+) -> None:
+    """_exactly (loop) and _exactly_blocking (reader thread) share the gathering: a read
+    cut into pieces (a SEQPACKET pair: one recv, one piece) comes back whole, and the
+    stream's end half-way is an IncompleteReadError (the callers' "closed the connection
+    before answering")."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        for piece in (b"ab", b"c", b"de", b"fg", b"ij"):
+            b.send(piece)
+        b.close()
+        conn = initclient._SockConn(a, "test.sock", "exec")
+        if blocking:
+            a.settimeout(5.0)
+
+            async def exactly(n: int) -> bytes:
+                return conn._exactly_blocking(n)  # every piece is queued: no wait
+        else:
+            a.setblocking(False)
+            exactly = conn._exactly
+        assert await exactly(5) == b"abcde"
+        assert await exactly(2) == b"fg"  # whole at once
+        with pytest.raises(asyncio.IncompleteReadError):
+            await exactly(5)  # "ij", then the end
 
 
 async def test_big_output_is_joined_exactly(fake) -> None:  # type: ignore[no-untyped-def]

@@ -334,22 +334,28 @@ def test_pvh_kernel_unpacks_the_elf_with_a_pvh_entry(tmp_path: Path) -> None:
 
 
 def test_no_thp_wrapper_disables_huge_pages_for_what_it_runs(tmp_path: Path) -> None:
-    """Under TCG QEMU runs with THP disabled (the prctl is kept across exec); the
-    trampoline puts the wrapper in front of QEMU only when asked."""
+    """Under TCG QEMU runs through corral-nothp (THP disabled, the prctl kept across exec);
+    the trampoline puts it in front of QEMU only when given; a program it cannot run is a
+    clear error."""
     import subprocess
-    import sys
 
-    wrap = [sys.executable, "-I", "-S", "-c", qemu._NO_THP]
-    r = subprocess.run([*wrap, "cat", "/proc/self/status"], capture_output=True, text=True)
+    from corral.init import ensure_nothp_built
+
+    nothp = ensure_nothp_built(tmp_path / "bin")
+    assert nothp.name.startswith("corral-nothp-")
+    r = subprocess.run([nothp, "cat", "/proc/self/status"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "THP_enabled:\t0" in r.stdout
     plain = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True)
     assert "THP_enabled:\t1" in plain.stdout
+    r = subprocess.run([nothp, tmp_path / "no-such"], capture_output=True, text=True)
+    assert r.returncode == 127 and "corral-nothp: cannot run" in r.stderr, r
+    assert "no-such" in r.stderr
     procs = [tmp_path / "cgroup.procs"]
-    run, _ = qemu.trampoline(procs, ["qemu"], uid=1000, holder_file=tmp_path / "h", thp=False)
-    assert run[-len(wrap) - 1 :] == [*wrap, "qemu"]
+    run, _ = qemu.trampoline(procs, ["qemu"], uid=1000, holder_file=tmp_path / "h", no_thp=nothp)
+    assert run[-2:] == [str(nothp), "qemu"]
     run, _ = qemu.trampoline(procs, ["qemu"], uid=1000, holder_file=tmp_path / "h")
-    assert qemu._NO_THP not in run
+    assert str(nothp) not in run and run[-1] == "qemu"
 
 
 def test_report_order_and_fork_kernel(tmp_path: Path) -> None:
@@ -392,3 +398,31 @@ def test_held_in_snapshot_is_the_memory_snapshot_file(tmp_path: Path) -> None:
     assert not b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
     (b.dir("sb-1") / _SNAP).write_bytes(b"state")
     assert b.held_in_snapshot("sb-1") and not b.held_in_snapshot("sb-2")
+
+
+def test_vm_engines_offer_memory_snapshots_and_an_accelerator(tmp_path: Path) -> None:
+    """What the node asks every engine (Backend.memory_snapshots, Backend.accel): the VM
+    engines save to memory snapshots and know their accelerator once started; containers
+    do neither."""
+    from corral.backends.base import HostContext
+    from corral.backends.config import MicroVMConfig, VMConfig
+    from corral.backends.container import ContainerBackend
+    from corral.backends.microvm.backend import MicroVMBackend
+    from corral.backends.vm.backend import VMBackend
+    from corral.images.store import LayerStore
+    from corral.testing import FakeCgroups, FakeScratch
+
+    ctx = HostContext(
+        node_id="n",
+        state_dir=tmp_path,
+        run_dir=tmp_path / "run",
+        cgroups=FakeCgroups(),
+        scratch=FakeScratch(tmp_path),
+        store=LayerStore(tmp_path / "store"),
+        host_uid=100000,
+        id_count=65536,
+    )
+    for b in (MicroVMBackend(MicroVMConfig(), ctx), VMBackend(VMConfig(), ctx)):
+        assert b.memory_snapshots and b.accel is None  # not started: no probe yet
+        assert b.status().accel is None
+    assert not ContainerBackend.memory_snapshots and ContainerBackend.accel is None

@@ -155,6 +155,36 @@ async def test_recovery_keeps_a_sandbox_held_in_a_memory_snapshot_paused(tmp_pat
         assert ids == {saved.id: "paused", frozen.id: "running"}
 
 
+async def test_memory_snapshot_pause_is_the_backends_to_offer(tmp_path: Path) -> None:
+    """The node asks the engine (Backend.memory_snapshots) before it pauses anything: one
+    without refuses with a clear error and the sandbox runs on; one with saves it
+    (pause_memory) and the resume brings it back (restore_memory)."""
+    async with open_fake_node(tmp_path / "plain") as node:
+        info = await node.sandbox_create(SPEC)
+        with pytest.raises(InvalidRequest, match=r"memory_snapshot=True\): not for container"):
+            await node.sandbox_pause(info.id, memory_snapshot=True)
+        assert (await node.sandbox_get(info.id)).state == "running"
+        assert not node.cgroups.is_frozen(info.id)
+        assert "paused" not in [e.kind for e in await node.events(sandbox_id=info.id)]
+    async with open_fake_node(tmp_path / "vm", memory_snapshots=True) as node:
+        info = await node.sandbox_create(SPEC)
+        paused = await node.sandbox_pause(info.id, memory_snapshot=True)
+        assert paused.state == "paused" and _fake(node).held_in_snapshot(info.id)
+        ev = [e for e in await node.events(sandbox_id=info.id) if e.kind == "paused"][-1]
+        assert ev.detail["memory_snapshot"] is True
+        assert (await node.sandbox_resume(info.id)).state == "running"
+        assert not _fake(node).held_in_snapshot(info.id)
+
+
+async def test_a_sandbox_carries_its_engines_accelerator(tmp_path: Path) -> None:
+    """SandboxInfo.accel is the engine's Backend.accel: None for one without (containers)."""
+    async with open_fake_node(tmp_path) as node:
+        assert (await node.sandbox_create(SPEC)).accel is None
+        _fake(node).accel = "tcg"  # as a VM engine's probe boot would find
+        info = await node.sandbox_create(SPEC)
+        assert info.accel == "tcg" and (await node.sandbox_get(info.id)).accel == "tcg"
+
+
 async def test_wait_settled_asks_every_backend_within_the_time_given(tmp_path: Path) -> None:
     async with open_fake_node(tmp_path) as node:
         assert await node.wait_settled(5.0)  # the fake prepares nothing in the background

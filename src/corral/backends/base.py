@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
+from corral.errors import InvalidRequest
 from corral.spec import BackendStatus, FileStat, ImageInfo, LayerInfo, SandboxSpec
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ __all__ = [
     "Freezer",
     "NoPhases",
     "Phases",
+    "no_memory_snapshots",
 ]
 
 
@@ -308,7 +310,19 @@ class Backend(Protocol):
     """One isolation engine of a node (see the module docstring for the life cycle)."""
 
     kind: str
-    """``container`` (the microVM issue adds ``microvm`` and ``vm``)."""
+    """``container``, ``microvm`` or ``vm``."""
+
+    memory_snapshots: bool
+    """The engine can pause a sandbox by saving it whole to a file (:meth:`pause_memory`):
+    the VM engines. The node asks before it pauses anything, and refuses
+    ``pause(memory_snapshot=True)`` on any other engine."""
+
+    @property
+    def accel(self) -> str | None:
+        """The accelerator this engine's sandboxes run under (``kvm`` or ``tcg``, as the
+        config says or a probe boot at :meth:`start` found), copied into each sandbox's
+        info; None for an engine without one (containers), or not known yet."""
+        ...
 
     # node-wide
     async def start(self) -> None:
@@ -373,6 +387,19 @@ class Backend(Protocol):
         never saves one."""
         ...
 
+    async def pause_memory(self, sandbox_id: str) -> dict[str, object]:
+        """Save the sandbox's whole machine (devices, memory) to a file and end it: nothing
+        of it stays in host memory until :meth:`restore_memory` (or its next request)
+        brings it back. Returns figures for the node's ``paused`` event. An engine without
+        :attr:`memory_snapshots` raises :func:`no_memory_snapshots`'s error."""
+        ...
+
+    async def restore_memory(self, sandbox_id: str) -> object:
+        """Bring back a sandbox that :meth:`pause_memory` saved (a no-op if it runs). An
+        engine without :attr:`memory_snapshots` raises :func:`no_memory_snapshots`'s
+        error."""
+        ...
+
     async def copy_writable(
         self, sandbox_id: str, dst: str, frozen: Freezer, purpose: CopyPurpose
     ) -> float:
@@ -393,6 +420,13 @@ class Backend(Protocol):
     async def kill_all(self, sandbox_id: str) -> bool:
         """Kill every process of the sandbox; True once its cgroup was seen empty."""
         ...
+
+
+def no_memory_snapshots(kind: str) -> InvalidRequest:
+    """The error for ``pause(memory_snapshot=True)`` on an engine that cannot save one: the
+    node raises it before it pauses anything, such an engine's :meth:`Backend.pause_memory`
+    too."""
+    return InvalidRequest(f"pause(memory_snapshot=True): not for {kind} sandboxes")
 
 
 async def run_undo(undo: list[Callable[[], object]]) -> None:

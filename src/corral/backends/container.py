@@ -47,6 +47,7 @@ from corral.backends.base import (
     Phases,
     Started,
     in_thread,
+    no_memory_snapshots,
     run_undo,
 )
 from corral.backends.config import ContainerConfig
@@ -96,6 +97,8 @@ class ContainerBackend:
     :class:`corral.backends.base.Backend`. Built complete by the node, then :meth:`start`."""
 
     kind = "container"
+    memory_snapshots = False
+    accel: str | None = None
 
     runtime: OCIRuntime | Launcher
     userns: UserNamespace
@@ -779,6 +782,12 @@ class ContainerBackend:
     def held_in_snapshot(self, sandbox_id: str) -> bool:
         """Never: a container is paused only by freezing its cgroup."""
         return False
+
+    async def pause_memory(self, sandbox_id: str) -> dict[str, object]:
+        raise no_memory_snapshots(self.kind)
+
+    async def restore_memory(self, sandbox_id: str) -> object:
+        raise no_memory_snapshots(self.kind)
 
     def alive(self, sandbox_id: str) -> bool:
         pid = self.init_pid(sandbox_id)

@@ -347,6 +347,33 @@ class _Conn(_Framed):
         self.writer.close()
 
 
+class _ShortRead:
+    """A read of exactly ``n`` bytes whose first ``recv`` came back short: the pieces
+    gathered until there are ``n``, whatever does the reads (:meth:`_SockConn._exactly` on
+    the loop, :meth:`_SockConn._exactly_blocking` in a reader thread). Only a short read
+    gets here; a ``recv`` that returns all ``n`` at once (most frames) costs nothing more.
+    An empty piece is the end of the stream: IncompleteReadError, as a StreamReader's
+    ``readexactly`` raises."""
+
+    __slots__ = ("n", "parts", "missing")
+
+    def __init__(self, n: int, first: bytes) -> None:
+        self.n = n
+        self.parts: list[bytes] = []
+        self.missing = n
+        """Bytes still to read (0: done)."""
+        self.add(first)
+
+    def add(self, data: bytes) -> None:
+        if not data:
+            raise asyncio.IncompleteReadError(b"", self.n)
+        self.parts.append(data)
+        self.missing -= len(data)
+
+    def joined(self) -> bytes:
+        return b"".join(self.parts)
+
+
 class _SockConn(_Framed):
     """One exec's connection read straight off its non-blocking socket.
 
@@ -391,17 +418,12 @@ class _SockConn(_Framed):
 
     async def _exactly(self, n: int) -> bytes:
         data = await self.loop.sock_recv(self.sock, n)
-        if len(data) < n:
-            parts = [data]
-            got = len(data)
-            while data and got < n:
-                data = await self.loop.sock_recv(self.sock, n - got)
-                parts.append(data)
-                got += len(data)
-            if not data:
-                raise asyncio.IncompleteReadError(b"", n)
-            data = b"".join(parts)
-        return data
+        if len(data) == n:
+            return data
+        short = _ShortRead(n, data)
+        while short.missing:
+            short.add(await self.loop.sock_recv(self.sock, short.missing))
+        return short.joined()
 
     def _length(self, n: int) -> None:
         if not 1 <= n <= MAX_FRAME:
@@ -516,18 +538,14 @@ class _SockConn(_Framed):
                     raise ConnectionAbortedError("the exec was abandoned") from None
 
     def _exactly_blocking(self, n: int) -> bytes:
+        """:meth:`_exactly` with blocking reads, in the worker thread."""
         data = self._recv(n)
-        if len(data) < n:
-            parts = [data]
-            got = len(data)
-            while data and got < n:
-                data = self._recv(n - got)
-                parts.append(data)
-                got += len(data)
-            if not data:
-                raise asyncio.IncompleteReadError(b"", n)
-            data = b"".join(parts)
-        return data
+        if len(data) == n:
+            return data
+        short = _ShortRead(n, data)
+        while short.missing:
+            short.add(self._recv(short.missing))
+        return short.joined()
 
     def close(self) -> None:
         if self.sending is not None:

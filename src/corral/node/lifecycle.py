@@ -110,9 +110,7 @@ class Lifecycle:
             expires_at=now + spec.ttl if spec.ttl else None,
             last_active_at=now,
             backend=backend.kind,
-            # the VM engines' accelerator (a probe boot's outcome); engines without one
-            # have no such attribute
-            accel=getattr(backend, "accel", None) or None,
+            accel=backend.accel,
             node_id=self.node_id,
         )
         if spec.workdir == "/" and image.workdir != "/":

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from corral.backends.base import Backend, HostContext
+from corral.backends.base import Backend, HostContext, no_memory_snapshots
 from corral.backends.initclient import InitExit
 from corral.errors import Conflict, CorralError, InvalidRequest
 from corral.host.btrfs import Scratch
@@ -412,21 +412,17 @@ class Node:
         self.life.check_open()
         info = self.table.need(sandbox_id)
         backend = self.backends.of(info)
-        if memory_snapshot and not hasattr(backend, "pause_memory"):
-            raise InvalidRequest(f"pause(memory_snapshot=True): not for {backend.kind} sandboxes")
+        if memory_snapshot and not backend.memory_snapshots:
+            raise no_memory_snapshots(backend.kind)
         await self._timed("pause", sandbox_id, self.pauser.pause(sandbox_id, memory_snapshot))
         return await self.sandbox_get(sandbox_id)
 
     async def _save_memory(self, sandbox_id: str) -> dict[str, Any]:
-        fn = getattr(self.backends.of(self.table.need(sandbox_id)), "pause_memory", None)
-        if fn is None:
-            raise InvalidRequest("pause(memory_snapshot=True): not for this backend")
-        return dict(await fn(sandbox_id))
+        backend = self.backends.of(self.table.need(sandbox_id))
+        return dict(await backend.pause_memory(sandbox_id))
 
     async def _restore_memory(self, sandbox_id: str) -> None:
-        fn = getattr(self.backends.of(self.table.need(sandbox_id)), "restore", None)
-        if fn is not None:
-            await fn(sandbox_id)
+        await self.backends.of(self.table.need(sandbox_id)).restore_memory(sandbox_id)
 
     async def sandbox_resume(self, sandbox_id: str, prefetch: bool = False) -> SandboxInfo:
         """Thaw a paused sandbox; its pages come back from swap as they are touched, or with

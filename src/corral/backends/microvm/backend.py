@@ -21,7 +21,7 @@ Network: QEMU's netns (made by the trampoline) holds a tap NATed to the ``eth0``
 attaches there, as for a container (see :mod:`.qemu`); a holder process keeps that netns
 and is the pid the node knows the sandbox by. Pause: the node's shared cgroup freeze, or
 :meth:`MicroVMBackend.pause_memory` (QEMU migrates the machine into ``mem.snap`` and ends;
-the first request, or :meth:`MicroVMBackend.restore`, starts it again from the file).
+the first request, or :meth:`MicroVMBackend.restore_memory`, starts it again from the file).
 Fork: the machine is migrated into the fork copy with the disk (:meth:`copy_writable`),
 each child restored from it (:meth:`_create_fork`). Snapshot to a store layer: the
 writable layer is an ext4 image the host never mounts, so the guest streams its overlay
@@ -70,7 +70,7 @@ from corral.backends.microvm.vmux import HostMux
 from corral.errors import BuildError, Conflict, HostError, SandboxError
 from corral.images.pack import pack_tree
 from corral.images.uppertar import unpack_upper
-from corral.init import ensure_built
+from corral.init import ensure_built, ensure_nothp_built
 from corral.policy import qos
 from corral.spec import BackendStatus, ImageInfo, LayerInfo, SandboxSpec
 
@@ -86,6 +86,7 @@ class MicroVMBackend:
     :class:`corral.backends.base.Backend`."""
 
     kind = "microvm"
+    memory_snapshots = True
 
     def __init__(self, config: MicroVMConfig, ctx: HostContext) -> None:
         self.config = config
@@ -105,8 +106,11 @@ class MicroVMBackend:
         """sandbox -> its cgroup recycle in progress (a destroy waits for it: else it could
         remove the cgroup the recycle then makes again, with the holder in it)."""
         self._started = False
-        self.accel = ""
+        self._accel = ""
+        """``kvm`` or ``tcg`` once :meth:`start` knows (config, cached probe or a probe boot)."""
         self.accel_detail = ""
+        self._no_thp: Path | None = None
+        """corral-nothp, built at :meth:`start` when QEMU is to run without THP (:attr:`_thp`)."""
         self.kernel: guest.Kernel | None = None
         self.boot_kernel: Path | None = None
         """What QEMU boots: the kernel's uncompressed ELF for a PVH boot where it has one
@@ -126,6 +130,10 @@ class MicroVMBackend:
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
             await self._prepare()
+            if not self._thp:
+                self._no_thp = await asyncio.to_thread(
+                    ensure_nothp_built, self.ctx.state_dir / "bin"
+                )
             await asyncio.to_thread(self._charge_shared_files)
         except HostError as e:
             # The node runs on (its other engines are fine); this one says why it cannot.
@@ -151,16 +159,16 @@ class MicroVMBackend:
         pvh = await asyncio.to_thread(guest.pvh_kernel, self.kernel, self._dir)
         self.boot_kernel = pvh or self.kernel.vmlinuz
         if self.config.accel != "auto":
-            self.accel, self.accel_detail = self.config.accel, "configured"
+            self._accel, self.accel_detail = self.config.accel, "configured"
         else:
             cache = self._dir / f"accel-{self.kernel.version}"
             try:
-                self.accel, _, self.accel_detail = cache.read_text().partition("\n")
+                self._accel, _, self.accel_detail = cache.read_text().partition("\n")
             except OSError:
-                self.accel, self.accel_detail = await qemu.probe_accel(
+                self._accel, self.accel_detail = await qemu.probe_accel(
                     self.kernel.vmlinuz, self.initrd
                 )
-                cache.write_text(f"{self.accel}\n{self.accel_detail}")
+                cache.write_text(f"{self._accel}\n{self.accel_detail}")
 
     def _charge_shared_files(self) -> None:
         """QEMU, its libraries, the kernel and the initramfs into the page cache from the
@@ -220,7 +228,7 @@ class MicroVMBackend:
         return BackendStatus(
             kind=self.kind,
             ok=self._started and not self.broken,
-            accel=self.accel or None,
+            accel=self.accel,
             detail={
                 "kernel": self.kernel.version if self.kernel else "",
                 "accel_detail": self.accel_detail,
@@ -372,7 +380,7 @@ class MicroVMBackend:
             argv,
             uid=self._uid,
             holder_file=d / "netns.pid",
-            thp=self._thp,
+            no_thp=self._no_thp,
         )
         with phases.phase("runtime_start"):
             # Safe: QEMU with corral's own argv (no shell splicing: the trampoline passes
@@ -391,11 +399,16 @@ class MicroVMBackend:
             await self._boot_wait(sandbox_id)
 
     @property
+    def accel(self) -> str | None:
+        """The accelerator the VMs run under; None until :meth:`start` found it."""
+        return self._accel or None
+
+    @property
     def _thp(self) -> bool:
         """Back guest RAM with host huge pages: under KVM (the guest's memory accesses go
         through 2 MiB mappings), not under TCG, where they buy nothing and keep freed
-        guest memory held (:data:`.qemu._NO_THP`)."""
-        return self.accel != "tcg"
+        guest memory held (corral-nothp, see :func:`.qemu.trampoline`)."""
+        return self._accel != "tcg"
 
     @property
     def _uid(self) -> int:
@@ -413,7 +426,7 @@ class MicroVMBackend:
             )
         return qemu.vm_argv(
             files,
-            accel=self.accel,
+            accel=self._accel,
             cpus=max(1, math.ceil(spec.limits.cpus)),
             memory_mib=mem_mib,
             runas=f"{uid}:{uid}",
@@ -477,7 +490,7 @@ class MicroVMBackend:
         gone = "" if self.alive(sandbox_id) else " (the VMM exited)"
         raise SandboxError(
             f"sandbox {sandbox_id}: the microVM's agent did not answer within {t:g} s "
-            f"(accel {self.accel}){gone}: {why}; VMM killed; console: {tail or '(empty)'}"
+            f"(accel {self._accel}){gone}: {why}; VMM killed; console: {tail or '(empty)'}"
         )
 
     async def _drop_mux(self, sandbox_id: str) -> None:
@@ -565,14 +578,14 @@ class MicroVMBackend:
     def _new_mux(self, sandbox_id: str) -> HostMux:
         d = self.dir(sandbox_id)
         return HostMux(
-            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore(sandbox_id)
+            d / "vm.sock", self.ctl_path(sandbox_id), wake=lambda: self.restore_memory(sandbox_id)
         )
 
     async def pause_memory(self, sandbox_id: str, timeout: float = 300.0) -> dict[str, object]:
         """Save the VM's whole state (devices, memory) to ``mem.snap`` in the sandbox dir
         and end the VMM: nothing of the guest stays in host memory (the file's page cache
         is dropped too). The node keeps listening on the sandbox's control socket; the
-        next request (or :meth:`restore`) brings the VM back from the file. Returns figures
+        next request (or :meth:`restore_memory`) brings the VM back from the file. Returns figures
         for the node's ``paused`` event."""
         d = self.dir(sandbox_id)
         pid = self.vmm_pid(sandbox_id)
@@ -662,7 +675,7 @@ class MicroVMBackend:
         log.warning("finishing the cgroup recycle of %s", sandbox_id)
         self.cgroups.finish_recycle(sandbox_id, settings, tmp)
 
-    async def restore(
+    async def restore_memory(
         self, sandbox_id: str, timeout: float = 300.0, new_netns: bool = False
     ) -> float:
         """Start the VMM again from ``mem.snap`` (same machine, same netns and disks); the
@@ -689,7 +702,7 @@ class MicroVMBackend:
             uid=self._uid,
             holder_file=d / "netns.pid",
             join_netns=None if new_netns else self._holder(sandbox_id),
-            thp=self._thp,
+            no_thp=self._no_thp,
         )
         # Safe: QEMU with the argv this backend wrote at create, joining the sandbox's
         # netns and cgroup (see create()).
@@ -820,7 +833,7 @@ class MicroVMBackend:
             await mux.start(attach=False)
             self._mux[sandbox_id] = mux
             undo.append(lambda: self._drop_mux(sandbox_id))
-            await self.restore(sandbox_id, new_netns=True)
+            await self.restore_memory(sandbox_id, new_netns=True)
         with phases.phase("init_ready"):
             await self._boot_wait(sandbox_id)
             mac = files.mac

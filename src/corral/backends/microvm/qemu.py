@@ -22,7 +22,6 @@ import hashlib
 import os
 import shutil
 import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,18 +281,13 @@ exec "$@"
 """
 
 
-_NO_THP = (
-    "import ctypes, os, sys\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0) != 0:\n"  # PR_SET_THP_DISABLE
-    "    sys.exit(f'prctl(PR_SET_THP_DISABLE): {os.strerror(ctypes.get_errno())}')\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n"
-)
-"""Run argv[1:] with transparent huge pages off. QEMU ``MADV_HUGEPAGE``s all guest RAM, so
-with THP a 2 MiB host page stays whole while any 4 KiB of it is in use: the guest's
-freed memory returns to the host (free page reporting) only in whole 2 MiB blocks, and a
-smaller block reported splits the huge page without freeing it (the kernel's deferred
-split, under memory pressure only). Under TCG huge pages buy the guest nothing (its
-softmmu TLB maps 4 KiB pages)."""
+# Why QEMU runs through corral-nothp (corral/init/corral-nothp.c) under TCG: QEMU
+# MADV_HUGEPAGEs all guest RAM, so with THP a 2 MiB host page stays whole while any 4 KiB
+# of it is in use: the guest's freed memory returns to the host (free page reporting) only
+# in whole 2 MiB blocks, and a smaller block reported splits the huge page without freeing
+# it (the kernel's deferred split, under memory pressure only). Under TCG huge pages buy
+# the guest nothing (its softmmu TLB maps 4 KiB pages). A static C helper, not a Python
+# interpreter started for the one prctl: see docs/design-notes.md for what that saves.
 
 
 def trampoline(
@@ -303,7 +297,7 @@ def trampoline(
     uid: int,
     holder_file: Path,
     join_netns: int | None = None,
-    thp: bool = True,
+    no_thp: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """``argv`` run by a shell that first moves itself into the cgroup (every
     ``cgroup.procs`` file given) and then into the VMM's network namespace, so QEMU starts
@@ -312,10 +306,11 @@ def trampoline(
     A new namespace (``join_netns`` None) is set up by :data:`_NETNS_SETUP` (the tap, the
     NAT, the holder whose pid goes to ``holder_file``); a restore joins the namespace of the
     holder ``join_netns`` (its tap, and the eth0 the node attached, are still there).
-    ``thp=False``: QEMU runs with transparent huge pages disabled (``PR_SET_THP_DISABLE``,
-    kept across exec), so its guest RAM is backed by 4 KiB pages (see :data:`_NO_THP`)."""
-    if not thp:
-        argv = [sys.executable, "-I", "-S", "-c", _NO_THP, *argv]
+    ``no_thp``: corral-nothp (:func:`corral.init.ensure_nothp_built`), which runs QEMU with
+    transparent huge pages disabled (``PR_SET_THP_DISABLE``, kept across exec), so its
+    guest RAM is backed by 4 KiB pages (why: the comment above); None: the host's THP."""
+    if no_thp is not None:
+        argv = [str(no_thp), *argv]
     unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
     if unshare is None or nsenter is None:
         raise HostError("microvm: unshare/nsenter (util-linux) not found")

@@ -64,14 +64,16 @@ class VMBackend(MicroVMBackend):
             guest.build_initramfs, self.kernel, init, self._dir, machine.MODULES
         )
         if self.config.accel != "auto":
-            self.accel, self.accel_detail = self.config.accel, "configured"
+            self._accel, self.accel_detail = self.config.accel, "configured"
             return
         cache = self._dir / f"accel-{self.kernel.version}"
         try:
-            self.accel, _, self.accel_detail = cache.read_text().partition("\n")
+            self._accel, _, self.accel_detail = cache.read_text().partition("\n")
         except OSError:
-            self.accel, self.accel_detail = await qemu.probe_accel(self.kernel.vmlinuz, self.initrd)
-            cache.write_text(f"{self.accel}\n{self.accel_detail}")
+            self._accel, self.accel_detail = await qemu.probe_accel(
+                self.kernel.vmlinuz, self.initrd
+            )
+            cache.write_text(f"{self._accel}\n{self.accel_detail}")
 
     def status(self) -> BackendStatus:
         s = super().status()
@@ -83,7 +85,7 @@ class VMBackend(MicroVMBackend):
         return machine.vm_argv(
             files,
             qmp=files.disk.parent / "qmp.sock",
-            accel=self.accel,
+            accel=self._accel,
             cpus=max(1, math.ceil(spec.limits.cpus)),
             memory_mib=mem_mib,
             runas=f"{uid}:{uid}",
@@ -136,7 +138,7 @@ class VMBackend(MicroVMBackend):
             out = (r.stdout + r.stderr).decode(errors="replace").strip()[-1500:]
             raise SandboxError(
                 f"sandbox {sandbox_id}: the desktop did not start ({r.reason} {r.code or r.signal}, "
-                f"accel {self.accel}): {out or '(no output)'}"
+                f"accel {self._accel}): {out or '(no output)'}"
             )
 
     def screen(self, sandbox_id: str, spec: SandboxSpec) -> Screen:
