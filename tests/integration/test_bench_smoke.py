@@ -70,6 +70,8 @@ def test_scale_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["scenario"] == "scale" and out["count"] == 4
     assert [w["live"] for w in out["windows"]] == [2, 4]
     _figures(out, ("exec_p50_ms_empty", "exec_p50_ms_full", "destroy_per_s"))
+    _figures(out, ("exec_again_p50_ms_full",))
+    assert all(w["exec_again_p50_ms"] > 0 for w in out["windows"])
     assert out["create_errors"] == 0 and out["destroy_errors"] == 0
     assert out["leftovers"] == 0, out.get("leftover_detail")
     # The spans tools/profile_scale.py cuts its samples by, in order.

@@ -9,10 +9,12 @@ Create, in order (each step undone if a later one fails):
   4. a listening control socket in the sandbox dir (host side only; the guest never sees it),
   5. config.json, then ``runc run --detach --preserve-fds 1`` with that socket as fd 3.
 No process of ours stays per sandbox: runc exits, the init lives on in the container.
-Steps 2-4 (and the launcher's cgroups) are one synchronous ``_prepare`` on the event loop:
-in a worker thread they cost the node ~1 ms more CPU per create (GIL handoffs around each
-syscall) and gained no creates/s on 2 cores (docs/design-notes.md, "The create's kernel
-work off the event loop").
+Steps 2-4 are one synchronous ``_prepare`` on the event loop: in a worker thread they cost
+the node ~1 ms more CPU per create (GIL handoffs around each syscall) and gained no
+creates/s on 2 cores (docs/design-notes.md, "The create's kernel work off the event loop").
+The launcher's cgroups are not: their mkdirs and renames wait for the kernel's one cgroup
+mutex, which the launchers' own cgroup.procs writes hold for an RCU grace period each, and
+on the loop that wait stalled every create in flight (``Launcher.make_cgroup_async``).
 """
 
 from __future__ import annotations
@@ -430,7 +432,8 @@ class ContainerBackend:
     ) -> int:
         """The steps of the module docstring: the kernel work (the subvolume, the overlay,
         the control socket and, for the launcher, the cgroups) is one synchronous step,
-        :meth:`_prepare`, which records each undo as soon as its step is done."""
+        :meth:`_prepare`, which records each undo as soon as its step is done; for the
+        launcher the cgroups follow, off the event loop (:meth:`_make_cgroup`)."""
         with phases.phase("layer_mounts"):
             lowers = await self._acquire_layers(image, undo)
         owner: int | None = None
@@ -445,11 +448,11 @@ class ContainerBackend:
         try:
             config, cgroup = None, None
             if not self.host_mounted_root:
-                # Built first, so that _prepare makes its cgroups with the rest.
                 config = self._config(sandbox_id, spec, image, root, None, latency, mappings=True)
                 cgroup = (config["linux"]["resources"], latency)
-            prepare = functools.partial(self._prepare, sandbox_id, spec, base, lowers, undo, made)
-            prepare(phases, cgroup)
+            self._prepare(sandbox_id, spec, base, lowers, undo, made, phases)
+            if cgroup is not None:
+                await self._make_cgroup(sandbox_id, undo, made, phases, *cgroup)
             if config is not None:
                 return await self._launch(sandbox_id, spec, config, undo, phases, made, owner)
             return await self._run_oci(sandbox_id, spec, image, undo, phases, made, owner, latency)
@@ -506,11 +509,9 @@ class ContainerBackend:
         undo: list[Callable[[], object]],
         made: _Made,
         phases: Phases,
-        cgroup: tuple[dict[str, Any], bool] | None,
     ) -> None:
-        """The sandbox dir, the overlay rootfs, the control socket and, with ``cgroup``
-        (the config's resources and the latency class; the launcher), the sandbox's
-        cgroups. Appends each step's undo once it is done."""
+        """The sandbox dir, the overlay rootfs and the control socket. Appends each step's
+        undo once it is done."""
         with phases.phase("rootfs"):
             _check_room(self.scratch.mountpoint)
             sub = self._make_dir(sandbox_id, spec, base, undo)
@@ -521,17 +522,28 @@ class ContainerBackend:
         undo.append(lambda: sock_path.unlink(missing_ok=True))
         os.chmod(sock_path, 0o600)
         lsock.listen(64)
-        if cgroup is None:
-            return
+
+    async def _make_cgroup(
+        self,
+        sandbox_id: str,
+        undo: list[Callable[[], object]],
+        made: _Made,
+        phases: Phases,
+        resources: dict[str, Any],
+        latency: bool,
+    ) -> None:
+        """The launcher's cgroups for the sandbox (``resources``: the config's), made in
+        the launcher's cgroup thread (:meth:`Launcher.make_cgroup_async`)."""
         launcher = self.launcher
-        resources, latency = cgroup
         # In runtime_start, as the OCI runtime's cgroup setup is: the phases compare.
         with phases.phase("runtime_start"):
             # Patient (EBUSY retried, off the event loop): the killed processes of a
             # cancelled best-effort create leave their cgroup only once their exits get
-            # idle CPU; a 1 s wait left the cgroup behind under load.
+            # idle CPU; a 1 s wait left the cgroup behind under load. Recorded before the
+            # thread starts: a failed make removes what it made itself, and a cancelled
+            # create's undo runs only once the thread has ended.
             undo.append(lambda: self._remove_cgroup(sandbox_id))
-            made.procs = launcher.make_cgroup(sandbox_id, resources, latency)
+            made.procs = await launcher.make_cgroup_async(sandbox_id, resources, latency)
         undo.append(lambda: launcher.delete(sandbox_id, force=True))
 
     def _make_dir(

@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,7 @@ class Launcher:
         self._tree: Path | None = None
         self._tree_names: set[str] = set()
         self.pool: CgroupPool | None = None
+        self._cgroup_thread: ThreadPoolExecutor | None = None
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
@@ -467,6 +469,9 @@ class Launcher:
         return self._template
 
     def close(self) -> None:
+        if self._cgroup_thread is not None:  # a create in flight finishes its cgroups first
+            self._cgroup_thread.shutdown(wait=True)
+            self._cgroup_thread = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -548,6 +553,34 @@ class Launcher:
         if devices is not None:
             procs.append(self.cgroups.devices_dir(sandbox_id, latency) / "cgroup.procs")
         return procs, late
+
+    async def make_cgroup_async(
+        self, sandbox_id: str, resources: dict[str, Any], latency: bool
+    ) -> tuple[list[Path], list[Path]]:
+        """:meth:`make_cgroup` in the launcher's cgroup thread, off the event loop.
+
+        Every cgroup mkdir, rename and rmdir on the host, and every write to a v1
+        cgroup.procs, takes the kernel's one cgroup mutex; a cgroup.procs write also takes
+        the threadgroup rwsem for writing while holding it, which waits for an RCU grace
+        period (several ms, tens under load on 2 cores). The launchers write cgroup.procs
+        of five hierarchies each, so at 8 creates in flight the node's mkdir or rename
+        waited behind them, on the loop: each wait (8-30 ms, seen in the loop thread's
+        kernel stack: ``cgroup_kn_lock_live``, ``cgroup1_rename``) stalled every other
+        create and exec, and made the c8 bench's tail. One thread for all creates (the
+        mutex lets one through at a time anyway), at the node's priority (a nice thread
+        that held the GIL would make the loop wait for it). If the caller is cancelled the
+        thread's work still completes before the cancel goes on, so the create's undo
+        finds the cgroups it removes."""
+        if self._cgroup_thread is None:
+            self._cgroup_thread = ThreadPoolExecutor(1, thread_name_prefix="corral-cgroup")
+        job = asyncio.get_running_loop().run_in_executor(
+            self._cgroup_thread, self.make_cgroup, sandbox_id, resources, latency
+        )
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])
+            raise
 
     def use_cgroup_tree(self, tree: Path) -> None:
         """Bind ``tree`` (a directory on a node-wide tmpfs, so its root in the guest's
