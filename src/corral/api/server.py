@@ -52,9 +52,13 @@ _GRACE = 10
 _KEEP_ALIVE = 310
 
 
-_SNDBUF = 4 << 20
+_SNDBUF = 1 << 20
 """Send buffer asked for on each accepted connection (the kernel doubles it and clamps it
-to ``net.core.wmem_max``)."""
+to ``net.core.wmem_max``): room for one slice of a big answer (``bigbody.RAW_SLICE``), and
+no more. With 4 MiB (8 MiB granted), a client that had fallen behind let the transport
+pile slices up and then ``send`` several MiB at once, one copy the loop waited for:
+``corral bench neighbours --attack output_flood``, 5 interleaved pairs (s9), API p99 ratio
+0.97-1.73 with 4 MiB against 1.13-1.31 with 1 MiB, the loop's CPU the same."""
 
 
 class _Connection(h11.Connection):
@@ -78,11 +82,11 @@ class _Connection(h11.Connection):
 class _Protocol(H11Protocol):
     """uvicorn's h11 protocol with a bigger send buffer on each connection.
 
-    A big exec answer is written in 4 MiB slices (api/bigbody.py). With the default
+    A big exec answer is written in 1 MiB slices (api/bigbody.py). With the default
     ~208 KiB send buffer, the transport's first ``send`` takes ~208 KiB of a slice and the
     rest is copied twice on the loop's thread (``data[n:]``, then into the transport's
-    buffer) and sent in ~20 more steps; with room for the slice, one ``send`` (the
-    kernel's copy, the GIL let go) takes it all. The room is only used while a client is
+    buffer) and sent in more steps; with room for the slice (:data:`_SNDBUF`), one
+    ``send`` (the kernel's copy, the GIL let go) takes it all. The room is only used while a client is
     slower than the node, and what it holds would otherwise sit in the transport's buffer.
     """
 
