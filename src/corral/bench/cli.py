@@ -271,9 +271,24 @@ def ondemand_cmd(
             "records the profiles by running one sandbox per image on a node of its own.",
         ),
     ] = True,
+    content: Annotated[
+        str,
+        typer.Option(
+            "--content",
+            help="What the toolkit and workspace files hold: 'random' (incompressible, "
+            "layers uncompressed) or 'source' (slices of real source text, layers lz4hc "
+            "as `corral image build dir` makes them).",
+        ),
+    ] = "random",
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
+    from corral.bench.ondemand import CONTENTS
+
+    if content not in CONTENTS:
+        raise typer.BadParameter(
+            f"{content!r} is not one of {', '.join(CONTENTS)}", param_hint="--content"
+        )
     from corral.bench.ondemand import ondemand
 
     return ondemand(
@@ -286,6 +301,7 @@ def ondemand_cmd(
         readahead_kib or None,
         delay_ms=delay_ms,
         prefetch=prefetch,
+        content=content,
     )
 
 

@@ -6,7 +6,9 @@ Set-up (untimed): a MooseFS store behind a shaped link (bench/dfs.py); ``--image
 images of ``--image-mib`` each in it, every one base (a Debian image with python3,
 shared) + toolkit (a package of modules and data files nobody reads) + workspace (a tree
 of files of which the task reads one in ten); each layer verified once, as a publisher
-would (store.py stamps), and then dropped from the page cache.
+would (store.py stamps), and then dropped from the page cache. ``--content`` picks what
+the files hold: random bytes in uncompressed layers (the default; the most bytes a task's
+reads can cost) or real source text in lz4hc layers (:data:`CONTENTS`).
 
 Hot-block profiles (images/hotblocks.py; on by default, ``--no-layer-prefetch`` for the
 A/B): also in set-up, one sandbox per image runs the task on a node of its own, and that
@@ -202,44 +204,99 @@ def open_dfs(
     return fs
 
 
-def _fill(path: Path, size: int) -> None:
+CONTENTS = ("random", "source")
+"""What the toolkit and workspace files hold: ``random`` bytes (nothing compresses; the
+layers are stored uncompressed) or ``source``: slices of real source text (this host's
+Python standard library), the layers compressed with lz4hc as ``corral image build dir``
+compresses a workspace, so the store holds and the link carries what a repository of code
+costs, about a third of its size."""
+
+
+class _Content:
+    """Bytes for the bench's files: random, or slices of a corpus of source text, each
+    file starting elsewhere in it (files differ; nothing is deduplicated)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in CONTENTS:
+            raise SandboxError(f"content: {kind!r} is not one of {', '.join(CONTENTS)}")
+        self.kind = kind
+        self.corpus = b""
+        self.at = 0
+        if kind == "source":
+            parts, total = [], 0
+            for f in sorted(Path(os.__file__).parent.rglob("*.py")):
+                try:
+                    parts.append(f.read_bytes())
+                except OSError:
+                    continue
+                total += len(parts[-1])
+                if total >= 32 * MIB:
+                    break
+            self.corpus = b"".join(parts)
+            if len(self.corpus) < 4 * MIB:
+                raise SandboxError(f"content source: only {len(self.corpus)} bytes of source here")
+
+    @property
+    def compress(self) -> str | None:
+        return "lz4hc" if self.kind == "source" else None
+
+    def take(self, size: int) -> bytes:
+        if self.kind == "random":
+            return os.urandom(size)
+        self.at = (self.at + 1_000_003) % len(self.corpus)  # a prime stride: a new offset
+        out = bytearray()
+        at = self.at
+        while len(out) < size:
+            out += self.corpus[at : at + size - len(out)]
+            at = 0
+        return bytes(out)
+
+
+def _fill(path: Path, size: int, content: _Content) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(os.urandom(size))
+    path.write_bytes(content.take(size))
 
 
-def _toolkit(root: Path, size: int) -> None:
+def _toolkit(root: Path, size: int, content: _Content) -> None:
     pkg = root / "opt" / "tk" / "tk"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     for j in range(_MODULES):
-        blob = os.urandom(4096).hex()
+        blob = content.take(8192).decode("latin-1")
         (pkg / f"mod{j}.py").write_text(f"DATA = {blob!r}\n\ndef f(x):\n    return x + {j}\n")
     left, k = size - _MODULES * 8300, 0
     while left > 0:
-        _fill(root / "opt" / "tk" / "data" / f"blob{k}.bin", min(left, 4 * MIB))
+        _fill(root / "opt" / "tk" / "data" / f"blob{k}.bin", min(left, 4 * MIB), content)
         left -= 4 * MIB
         k += 1
 
 
-def _workspace(root: Path, size: int) -> None:
+def _workspace(root: Path, size: int, content: _Content) -> None:
     for k in range(max(1, size // _FILE)):
-        _fill(root / "work" / "repo" / f"d{k // 64:03d}" / f"f{k:05d}.dat", _FILE)
+        _fill(root / "work" / "repo" / f"d{k // 64:03d}" / f"f{k:05d}.dat", _FILE, content)
 
 
 def publish_images(
-    store: LayerStore, base_layers: list[str], count: int, image_mib: int, gen: Path
+    store: LayerStore,
+    base_layers: list[str],
+    count: int,
+    image_mib: int,
+    gen: Path,
+    content: str = "random",
 ) -> list[str]:
     """``count`` images base + toolkit + workspace in ``store``; every layer verified once
-    (stamped) and then evicted from the page cache."""
+    (stamped) and then evicted from the page cache. ``content``: see :data:`CONTENTS`."""
     names = []
+    fill = _Content(content)
     for i in range(count):
         tk, ws = gen / f"tk{i}", gen / f"ws{i}"
         for d in (tk, ws):
             shutil.rmtree(d, ignore_errors=True)
-        _toolkit(tk, image_mib * MIB * 2 // 3)
-        _workspace(ws, image_mib * MIB // 3)
+        _toolkit(tk, image_mib * MIB * 2 // 3, fill)
+        _workspace(ws, image_mib * MIB // 3, fill)
         layers = [
-            store.add_dir(d, kind="dir", source=f"bench-{d.name}", compress=None) for d in (tk, ws)
+            store.add_dir(d, kind="dir", source=f"bench-{d.name}", compress=fill.compress)
+            for d in (tk, ws)
         ]
         shutil.rmtree(tk)
         shutil.rmtree(ws)
@@ -395,6 +452,7 @@ async def ondemand(
     *,
     delay_ms: float = 0.0,
     prefetch: bool = True,
+    content: str = "random",
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
@@ -408,7 +466,9 @@ async def ondemand(
         for d in base.layers:
             await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
         say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
-        names = await asyncio.to_thread(publish_images, store, base.layers, images, image_mib, gen)
+        names = await asyncio.to_thread(
+            publish_images, store, base.layers, images, image_mib, gen, content
+        )
         task = ["python3", "-c", TASK]
         layer_files = [store.path_of(li.digest) for li in store.layers()]
         profiled = 0
@@ -435,6 +495,7 @@ async def ondemand(
             "sandboxes": sandboxes,
             "images": images,
             "image_mib": image_mib,
+            "content": content,
             "image_bytes_mib": round(
                 sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
             ),
