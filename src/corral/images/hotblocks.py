@@ -18,16 +18,18 @@ instead of 1.15 s. This is what DSec's and Nydus's prefetch lists and eStargz's
 "landmark" ordering do: what a task reads at start is much the same from one run to the
 next.
 
-Why only once a sandbox is up, and only 2 x 1 MiB in flight: a burst's creates make
+Why only once a sandbox is up, and only a few reads in flight: a burst's creates make
 store round trips of their own in series (a layer's first mount: lease, stamp, mount,
 ~17 round trips; every create: the image manifest), and on the link each queues behind
 the prefetch bytes already asked for. Started at the mount with 16 x 256 KiB in flight
 (the first default), up to 4 MiB (33 ms of 1 Gbit/s) sat ahead of each of those round
 trips, and a quiet 64-sandbox burst's creates ended 1.5 s later than without prefetch.
 Deferred, the create that mounts a layer has none of its prefetch ahead of it, and
-later ones at most 2 MiB (16 ms); two 1 MiB reads still keep the link busy (each is
-8 ms on it against a 1-3 ms round trip). The lead's quiet pair (docs/shared-store.md):
+later ones at most WORKERS x 1 MiB (8 ms each on 1 Gbit/s against a 1-3 ms round trip). The lead's quiet pair (docs/shared-store.md):
 on-demand done 2.54 s deferred against 3.10 s at the mount (cached 1.60-1.73 s).
+8 reads of 1 MiB rather than 2: a 1 MiB read of a FUSE file reaches the store's client as
+128 KiB requests in series, so 2 workers kept about 2 requests on the wire (see
+:data:`WORKERS`).
 :meth:`HotBlocks.start` is what the backend calls when a create returns
 (``LayerMounts.started``; adopted layers count as up).
 
@@ -101,8 +103,13 @@ Measured for one image's task alone, reads at the mount, at load ~10, three inte
 runs each: 16 x 256 KiB 0.29-0.44 s, 8 x 128 KiB 0.40-0.65, 4 x 256 KiB 0.40-0.72,
 32 x 128 KiB 0.43-0.49, 8 x 64 KiB 0.49-0.60 (none: 1.14-1.41); a burst's creates, not
 one task, decided for 2 x 1 MiB."""
-WORKERS = 2
-"""Prefetch reads in flight per node."""
+WORKERS = 8
+"""Prefetch reads in flight per node. ``bench ondemand --sandboxes 64 --images 8``, three
+interleaved pairs on a quiet machine (2026-12-04): on-demand done 1.829 / 1.931 / 1.852 s
+with 8 against 1.979 / 2.198 / 2.103 s with 2 (cached 1.33-1.43 s in all six). Session 7
+measured the same and kept 2 because the unreachable-store test then failed; that test's
+failures turned out to be the host's page-cache reclaim, not the workers
+(docs/shared-store.md, "When the store is unreachable")."""
 DEFER = True
 """Hold a layer's prefetch until a sandbox using it is up (see the module docstring); False
 reads from the mount on (the first default: 16 x 256 KiB)."""
