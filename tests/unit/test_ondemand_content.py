@@ -38,3 +38,9 @@ def test_unknown_content_is_refused_by_name() -> None:
     r = CliRunner().invoke(app, ["bench", "ondemand", "--content", "text", "--json"])
     assert r.exit_code == 2
     assert "'text' is not one of random, source" in r.output
+
+
+def test_module_text_is_hex_for_random_content_as_the_bench_always_wrote() -> None:
+    t = _Content("random").text(8192)
+    assert len(t) == 8192 and int(t, 16) >= 0  # hex digits only: the modules' old content
+    assert len(_Content("source").text(8192)) == 8192

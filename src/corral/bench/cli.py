@@ -283,13 +283,12 @@ def ondemand_cmd(
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
-    from corral.bench.ondemand import CONTENTS
+    from corral.bench.ondemand import CONTENTS, ondemand
 
-    if content not in CONTENTS:
+    if content not in CONTENTS:  # before the set-up starts a store
         raise typer.BadParameter(
             f"{content!r} is not one of {', '.join(CONTENTS)}", param_hint="--content"
         )
-    from corral.bench.ondemand import ondemand
 
     return ondemand(
         opts,

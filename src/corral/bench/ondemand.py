@@ -240,6 +240,13 @@ class _Content:
     def compress(self) -> str | None:
         return "lz4hc" if self.kind == "source" else None
 
+    def text(self, size: int) -> str:
+        """``size`` characters for a module's string constant: random hex (what the bench
+        always wrote), or source text."""
+        if self.kind == "random":
+            return os.urandom(size // 2).hex()
+        return self.take(size).decode("latin-1")
+
     def take(self, size: int) -> bytes:
         if self.kind == "random":
             return os.urandom(size)
@@ -262,7 +269,7 @@ def _toolkit(root: Path, size: int, content: _Content) -> None:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     for j in range(_MODULES):
-        blob = content.take(8192).decode("latin-1")
+        blob = content.text(8192)
         (pkg / f"mod{j}.py").write_text(f"DATA = {blob!r}\n\ndef f(x):\n    return x + {j}\n")
     left, k = size - _MODULES * 8300, 0
     while left > 0:

@@ -25,11 +25,11 @@ the prefetch bytes already asked for. Started at the mount with 16 x 256 KiB in 
 (the first default), up to 4 MiB (33 ms of 1 Gbit/s) sat ahead of each of those round
 trips, and a quiet 64-sandbox burst's creates ended 1.5 s later than without prefetch.
 Deferred, the create that mounts a layer has none of its prefetch ahead of it, and
-later ones at most WORKERS x 1 MiB (8 ms each on 1 Gbit/s against a 1-3 ms round trip). The lead's quiet pair (docs/shared-store.md):
-on-demand done 2.54 s deferred against 3.10 s at the mount (cached 1.60-1.73 s).
-8 reads of 1 MiB rather than 2: a 1 MiB read of a FUSE file reaches the store's client as
-128 KiB requests in series, so 2 workers kept about 2 requests on the wire (see
-:data:`WORKERS`).
+later ones at most :data:`WORKERS` x 1 MiB (8 ms each on 1 Gbit/s, against a 1-3 ms round
+trip). The lead's quiet pair (docs/shared-store.md): on-demand done 2.54 s deferred
+against 3.10 s at the mount (cached 1.60-1.73 s). 8 reads in flight, not 2: a 1 MiB read
+of a FUSE file reaches the store's client as 128 KiB requests in series, so 2 workers kept
+about 2 requests on the wire.
 :meth:`HotBlocks.start` is what the backend calls when a create returns
 (``LayerMounts.started``; adopted layers count as up).
 
