@@ -77,6 +77,21 @@ def test_many_bounds_concurrency_and_counts_errors() -> None:
     assert fig["errors"] == 1 and fig["n"] == 9 and fig["per_s"] > 0
 
 
+
+def test_many_says_progress_on_long_runs_only(capsys: pytest.CaptureFixture[str]) -> None:
+    async def op(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("boom")
+
+    asyncio.run(many(999, 8, op, "made"))
+    asyncio.run(many(2000, 8, op))  # no label: silent
+    assert capsys.readouterr().err == ""
+    asyncio.run(many(2000, 8, op, "made"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10
+    assert lines[0] == "[bench] made: 200/2000 (1 failed)"
+    assert lines[-1] == "[bench] made: 2000/2000 (1 failed)"
+
 def test_meminfo_parse() -> None:
     text = (
         "MemTotal:       24683584 kB\nMemFree:        20000000 kB\n"

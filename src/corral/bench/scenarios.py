@@ -151,12 +151,16 @@ class Timing:
         return out
 
 
-async def many(n: int, concurrency: int, op: Callable[[int], Awaitable[object]]) -> Timing:
+async def many(
+    n: int, concurrency: int, op: Callable[[int], Awaitable[object]], what: str = ""
+) -> Timing:
     """Run ``op(0..n-1)`` with at most ``concurrency`` in flight; time each one from the
-    moment it may start (its slot is free) to its end, and the whole from first to last."""
+    moment it may start (its slot is free) to its end, and the whole from first to last.
+    ``what``: on long runs (1,000 or more), say "<what>: k/n" every tenth, on stderr."""
     sem = asyncio.Semaphore(max(1, concurrency))
     lat: list[float] = []
     errors: list[str] = []
+    step = n // 10 if what and n >= 1000 else 0
 
     async def one(i: int) -> None:
         async with sem:
@@ -165,8 +169,12 @@ async def many(n: int, concurrency: int, op: Callable[[int], Awaitable[object]])
                 await op(i)
             except Exception as e:  # a failed operation is counted, not fatal to the run
                 errors.append(f"{type(e).__name__}: {e}")
-                return
-            lat.append(time.perf_counter() - t0)
+            else:
+                lat.append(time.perf_counter() - t0)
+            finished = len(lat) + len(errors)
+            if step and finished % step == 0:
+                failed = f" ({len(errors)} failed)" if errors else ""
+                say(f"{what}: {finished}/{n}{failed}")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n)))
@@ -204,7 +212,7 @@ async def _destroy_all(sbs: list[Sandbox], concurrency: int) -> Timing:
     async def op(i: int) -> None:
         await sbs[i].destroy()
 
-    return await many(len(sbs), concurrency, op)
+    return await many(len(sbs), concurrency, op, "corral: destroyed")
 
 
 async def _warm_up(client: AsyncClient, img: ImageInfo) -> None:
@@ -254,7 +262,7 @@ async def _create_n(
         if run_true:
             await _true(sb)
 
-    return await many(n, concurrency, op)
+    return await many(n, concurrency, op, "corral: created")
 
 
 async def _create_phases(
@@ -284,7 +292,7 @@ async def _docker_rm(d: DockerBaseline, cids: list[str], concurrency: int) -> Ti
     async def op(i: int) -> None:
         await d.docker("rm", "-f", cids[i])
 
-    return await many(len(cids), concurrency, op)
+    return await many(len(cids), concurrency, op, "docker: removed")
 
 
 async def _docker_start_n(
@@ -293,7 +301,7 @@ async def _docker_start_n(
     async def op(i: int) -> None:
         cids.append(await _docker_run_detached(d, image))
 
-    return await many(n, concurrency, op)
+    return await many(n, concurrency, op, "docker: started")
 
 
 # ---------------------------------------------------------------------- scenarios
@@ -548,7 +556,9 @@ async def _corral_density(
                 (hostmem.rss_sum([os.getpid()]) - rss_before) / hostmem.MIB, 1
             )
             say(f"corral: exec true in each of {len(sbs)}")
-            answered = await many(len(sbs), concurrency, lambda i: _true(sbs[i]))
+            answered = await many(
+                len(sbs), concurrency, lambda i: _true(sbs[i]), "corral: answered"
+            )
             res["responsive"] = len(answered.latencies)
             res["exec_p50_ms"] = summary_ms(answered.latencies)["p50_ms"] if sbs else None
             say(f"corral: destroying {len(sbs)}")
@@ -601,7 +611,9 @@ async def _docker_density(p: Prepared, count: int, concurrency: int) -> dict[str
             res["daemon_and_shims_pss_delta_mib"] = round(
                 (hostmem.rss_sum(d.daemon_pids()) - pss_before) / hostmem.MIB, 1
             )
-        answered = await many(len(cids), concurrency, lambda i: d.docker("exec", cids[i], "true"))
+        answered = await many(
+            len(cids), concurrency, lambda i: d.docker("exec", cids[i], "true"), "docker: answered"
+        )
         res["responsive"] = len(answered.latencies)
         say(f"docker: removing {len(cids)}")
         todo, cids = cids, []
