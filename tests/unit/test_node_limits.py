@@ -31,7 +31,8 @@ def test_a_sandbox_costs_more_the_more_there_are() -> None:
     assert limits.idle_bytes(0) == limits.BASE_BYTES
     slots = limits.SHRINKER_SLOT_BYTES * limits.SUPERBLOCKS_PER_SANDBOX
     assert limits.idle_bytes(10000) - limits.idle_bytes(3200) == slots * 6800
-    assert 1.45 * MIB < limits.idle_bytes(10000) < 1.5 * MIB  # 5 superblocks: +0.76 MiB of slots
+    # bench density on a fresh boot: 1.305 MiB each at 10,000 (5 superblocks: 0.76 MiB of slots)
+    assert 1.28 * MIB < limits.idle_bytes(10000) < 1.33 * MIB
 
 
 @pytest.mark.parametrize("budget", [0, 1, MIB, 8 * GIB, 22 * GIB, 100 * GIB])

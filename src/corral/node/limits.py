@@ -12,13 +12,13 @@ files, above the soft limit most shells hand down; raising a process's own limit
 ``fs.nr_open`` is what ``LimitNOFILE=`` in a unit would do, and touches nothing host-wide.
 
 The memory a sandbox costs is not a constant: it grows with the number of sandboxes on
-the host. Every superblock (a sandbox mounts 8 of its own: overlay root, proc, sysfs,
-/dev, /dev/shm, devpts, mqueue, the /sys/fs/cgroup tmpfs) registers a memcg-aware
-shrinker, and every memory cgroup (one per sandbox) holds a slot per shrinker id up to
-the host's high-water mark, in 1 KiB units of 64 ids (mm/shrinker.c, ``shrinker_info``:
-16 bytes per id per memory cgroup). So n sandboxes cost ``n * (BASE + 16 * 8 * n)``
-bytes: 0.4 MiB each of shrinker slots at 3,200, 1.25 MiB at 10,000. :func:`idle_bytes`
-is that model, fitted to ``corral bench density`` (docs/design-notes.md, "Density");
+the host. Every superblock (a sandbox of corral's launcher mounts 5 of its own: overlay
+root, proc, the /dev tmpfs, devpts, mqueue) registers a memcg-aware shrinker, and every
+memory cgroup (one per sandbox) holds a slot per shrinker id up to the host's high-water
+mark, in 1 KiB units of 64 ids (mm/shrinker.c, ``shrinker_info``: 16 bytes per id per
+memory cgroup). So n sandboxes cost ``n * (BASE + 16 * 5 * n)`` bytes: 0.24 MiB each of
+shrinker slots at 3,200, 0.76 MiB at 10,000. :func:`idle_bytes` is that model, fitted to
+``corral bench density`` on a freshly booted host (docs/design-notes.md, "Density");
 ``NodeConfig`` does not override it because a wrong guess is worse than a measured one.
 The high-water mark never falls until a reboot: a host that once held 10,000 sandboxes
 pays the 10,000 figure for every new memory cgroup.
@@ -54,12 +54,13 @@ __all__ = [
 MIB = 1 << 20
 log = logging.getLogger("corral.node")
 
-BASE_BYTES = int(0.72 * MIB)
+BASE_BYTES = int(0.55 * MIB)
 """Host memory per idle sandbox apart from the shrinker slots: its memory cgroup's own
 charge (page tables, init's pages, kernel objects charged to it) and the unreclaimable
-kernel objects of its namespaces, cgroups and mounts. Issue 15's quiet ``bench density
---count 3200`` (1.42 MiB per sandbox with 14 superblocks each) less that run's shrinker
-slots (16 B * 14 * 3,200 = 0.68 MiB)."""
+kernel objects of its namespaces, cgroups and mounts. ``bench density`` on a freshly
+booted host (session 11, debian image, launcher runtime): 0.793 MiB per sandbox at 3,200,
+1.305 MiB at 10,000; less the model's shrinker slots (0.244 and 0.763 MiB) that is 0.549
+and 0.542 MiB."""
 
 SUPERBLOCKS_PER_SANDBOX = 5
 """Superblocks each sandbox adds to the host (see the module docstring): 5 with corral's
