@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from corral.bench import hostmem
-from corral.bench.scenarios import many, ratio
+from corral.bench.scenarios import machine, many, ratio
 from corral.bench.stats import p50, p99, percentile, rate, summary_ms
 
 
@@ -91,6 +91,11 @@ def test_many_says_progress_on_long_runs_only(capsys: pytest.CaptureFixture[str]
     assert len(lines) == 10
     assert lines[0] == "[bench] made: 200/2000 (1 failed)"
     assert lines[-1] == "[bench] made: 2000/2000 (1 failed)"
+
+
+def test_machine_says_how_fast_the_cpu_ran() -> None:
+    m = machine()
+    assert m["cpus"] >= 1 and m["cpu_loop_ms"] > 0
 
 def test_meminfo_parse() -> None:
     text = (

@@ -118,7 +118,23 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "kernel": os.uname().release,
         "mem_total_mib": hostmem.sample().total // hostmem.MIB,
+        "cpu_loop_ms": cpu_loop_ms(),
     }
+
+
+def cpu_loop_ms(n: int = 1_000_000) -> float:
+    """The best of 3 times of a fixed pure-Python loop, in ms: how fast this machine's
+    CPU was during the run. A VM's CPU can run at half speed one day (its host's load,
+    which the guest does not see as steal), and the CPU-bound figures of two runs
+    compare only as far as this does."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(n):
+            acc += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
 
 
 def header(scenario: str, p: Prepared, **fields: Any) -> dict[str, Any]:
