@@ -77,7 +77,6 @@ def test_many_bounds_concurrency_and_counts_errors() -> None:
     assert fig["errors"] == 1 and fig["n"] == 9 and fig["per_s"] > 0
 
 
-
 def test_many_says_progress_on_long_runs_only(capsys: pytest.CaptureFixture[str]) -> None:
     async def op(i: int) -> None:
         if i == 0:
@@ -96,6 +95,7 @@ def test_many_says_progress_on_long_runs_only(capsys: pytest.CaptureFixture[str]
 def test_machine_says_how_fast_the_cpu_ran() -> None:
     m = machine()
     assert m["cpus"] >= 1 and m["cpu_loop_ms"] > 0
+
 
 def test_meminfo_parse() -> None:
     text = (
