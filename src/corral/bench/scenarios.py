@@ -124,9 +124,10 @@ def machine() -> dict[str, Any]:
 
 def cpu_loop_ms(n: int = 1_000_000) -> float:
     """The best of 3 times of a fixed pure-Python loop, in ms: how fast this machine's
-    CPU was during the run. A VM's CPU can run at half speed one day (its host's load,
-    which the guest does not see as steal), and the CPU-bound figures of two runs
-    compare only as far as this does."""
+    CPU was when the run's figures were gathered (taken once, when ``machine()`` is
+    called). A VM's CPU can run at half speed one day (its host's load, which the guest
+    does not see as steal), and the CPU-bound figures of two runs compare only as far as
+    this does."""
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
