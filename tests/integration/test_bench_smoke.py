@@ -49,6 +49,8 @@ def test_create_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["corral"]["n"] == 3 and out["corral"]["errors"] == 0
     assert out["corral"]["p50_ms"] <= out["corral"]["p99_ms"]
     assert out["docker"] is None
+    # The CPU's speed before (the header's) and after the timed creates.
+    assert out["machine"]["cpu_loop_ms"] > 0 and out["cpu_loop_ms_after"] > 0
     # With corral's launcher on cgroup v1 or hybrid: its pre-made cgroups, from the node's
     # status; after the warm-up settled the pool, the creates take from it.
     if "cgroup_pool" in out:
@@ -72,6 +74,7 @@ def test_scale_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     _figures(out, ("exec_p50_ms_empty", "exec_p50_ms_full", "destroy_per_s"))
     _figures(out, ("exec_again_p50_ms_full",))
     assert all(w["exec_again_p50_ms"] > 0 for w in out["windows"])
+    assert all(w["cpu_loop_ms"] > 0 for w in out["windows"])
     assert out["create_errors"] == 0 and out["destroy_errors"] == 0
     assert out["leftovers"] == 0, out.get("leftover_detail")
     # The spans tools/profile_scale.py cuts its samples by, in order.

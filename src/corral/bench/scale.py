@@ -18,6 +18,10 @@ for over a second, which starts a new spawner (corral-init.c, ``SPAWNER_IDLE_NS`
 ms more at any live count (docs/design-notes.md, "branch scale5"). So each window also
 runs its probes a second time at once (``exec_again_p50_ms``, spawners alive), and
 ``exec_again_p50_ms_full`` over ``exec_p50_ms_empty`` is the like-for-like ratio.
+
+Each window also says how fast the CPU ran just after it (``cpu_loop_ms``, the fixed loop
+of ``machine.cpu_loop_ms``): on a VM whose host slows it down mid-run, a falling create
+rate with a rising loop time is the machine's, not the live count's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from corral.bench.scenarios import (
     _destroy_all,
     _true,
     _warm_up,
+    cpu_loop_ms,
     header,
     many,
     prepared,
@@ -133,6 +138,9 @@ async def _run(
                     "mono_s": [round(t0, 3), round(t1, 3)],
                 }
                 await _exec_p50(sbs, w)
+                # How fast the CPU ran just after this window: a slope in create/s that
+                # the CPU's own speed shows too is the machine's, not the live count's.
+                w["cpu_loop_ms"] = cpu_loop_ms()
                 windows.append(w)
                 say(
                     f"scale: {w['live']} live, window {len(windows)}: "

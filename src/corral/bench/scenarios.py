@@ -124,8 +124,9 @@ def machine() -> dict[str, Any]:
 
 def cpu_loop_ms(n: int = 1_000_000) -> float:
     """The best of 3 times of a fixed pure-Python loop, in ms: how fast this machine's
-    CPU was when the run's figures were gathered (taken once, when ``machine()`` is
-    called). A VM's CPU can run at half speed one day (its host's load, which the guest
+    CPU was when the run's figures were gathered (``machine()`` takes it once, before the
+    run; ``bench create`` again after its timed creates, ``bench scale`` after each
+    window). A VM's CPU can run at half speed one day (its host's load, which the guest
     does not see as steal), and the CPU-bound figures of two runs compare only as far as
     this does."""
     best = float("inf")
@@ -338,6 +339,9 @@ async def create(opts: BenchOptions, count: int, concurrency: int) -> dict[str, 
                 t = await _create_n(client, img, count, concurrency, sbs, True, "create")
                 # Per create + exec(true): where the node's 2 cores go, whatever the load.
                 out["cpu_ms_per_create"] = cpu.per_op(count - len(t.errors))
+                # The CPU's speed again, right after the timed creates: a run whose
+                # machine slowed down (or sped up) meanwhile shows it against the header's.
+                out["cpu_loop_ms_after"] = cpu_loop_ms()
                 pool = await _cgroup_pool(client)
                 if pool is not None:  # creates that got a pre-made cgroup
                     out["cgroup_pool"] = pool
