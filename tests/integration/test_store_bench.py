@@ -61,6 +61,9 @@ def test_ondemand_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
         assert set(split) == {"machine_busy", "store_servers", "store_link", "store_client"}
         assert split["machine_busy"] > 0 and min(split.values()) >= 0
     assert cpu["eager"]["store_servers"] + cpu["eager"]["store_link"] > 0
+    # Each burst's CLOCK_MONOTONIC span (to cut a profile to it), in the order they ran.
+    spans = [out["breakdown"][m]["mono_s"] for m in ("ondemand", "eager", "cached")]
+    assert all(a < b for a, b in spans) and spans == sorted(spans)
     # Set-up recorded hot-block profiles (a task reads a small part of each layer).
     assert out["layer_prefetch"] is True and out["profiled_layers"] >= 1
 

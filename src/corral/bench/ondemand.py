@@ -155,7 +155,8 @@ def breakdown(
     for a --concurrency slot), ``create`` (the create call as the client saw it), ``task``
     (the exec of the task, from the create's answer to its end) and the node's own
     phases of the creates (``corral stats``: layer_mounts, rootfs, runtime_start, ...) and
-    of the execs; ``cpu_s``: :func:`cpu_split`. Figures for reading, not for the targets:
+    of the execs; ``cpu_s``: :func:`cpu_split`; ``mono_s`` (added by the caller): the
+    burst's CLOCK_MONOTONIC span, to cut a system-wide profile to it. Figures for reading, not for the targets:
     they do not change what ``all_ready_s`` and ``done_s`` measure."""
     out: dict[str, Any] = {
         "queued": _pct(waits),
@@ -423,6 +424,7 @@ async def run_burst(
                 writes = disk_writes(opts.state_dir.parent) - w0
                 reads = (link.link_bytes()[1] - r0) if link else 0
                 c1 = machine_busy_s(), link.cpu_seconds() if link else None
+                t_end = time.monotonic()
                 stats = await client.stats()
             finally:
                 # Also on failure: a node keeps its sandboxes when it closes.
@@ -430,19 +432,17 @@ async def run_burst(
     finally:
         shutil.rmtree(opts.state_dir, ignore_errors=True)
         shutil.rmtree(opts.run_dir, ignore_errors=True)
-    return Figures(
-        max(ready),
-        max(done),
-        writes / MIB,
-        reads / MIB,
-        breakdown(
-            waits,
-            creates,
-            tasks,
-            stats,
-            cpu_split((c0[0], c1[0]), (c0[1], c1[1]) if c0[1] and c1[1] else None),
-        ),
+    parts = breakdown(
+        waits,
+        creates,
+        tasks,
+        stats,
+        cpu_split((c0[0], c1[0]), (c0[1], c1[1]) if c0[1] and c1[1] else None),
     )
+    # CLOCK_MONOTONIC of the burst (as cpu_s counts it): a system-wide profiler's samples
+    # (`perf record -k CLOCK_MONOTONIC`) are cut to one mode by it.
+    parts["mono_s"] = [round(t0, 3), round(t_end, 3)]
+    return Figures(max(ready), max(done), writes / MIB, reads / MIB, parts)
 
 
 # ---------------------------------------------------------------------- the scenario
