@@ -57,7 +57,8 @@ of 12)."""
 
 SOURCE = Path(__file__).parent.parent / "init" / "corral-delayline.c"
 CFLAGS = ("-static", "-O2", "-Wall", "-s")
-HELPER_DIR = Path("/var/lib/corral/bin")
+HELPER_DIR = Path("/var/lib/corral-bench-bin")
+"""Bench-only, like ``/var/lib/corral-bench-dfs``: never a user's node's ``bin``."""
 
 
 def ensure_built(out_dir: Path = HELPER_DIR) -> Path:

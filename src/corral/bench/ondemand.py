@@ -156,8 +156,9 @@ def breakdown(
     (the exec of the task, from the create's answer to its end) and the node's own
     phases of the creates (``corral stats``: layer_mounts, rootfs, runtime_start, ...) and
     of the execs; ``cpu_s``: :func:`cpu_split`; ``mono_s`` (added by the caller): the
-    burst's CLOCK_MONOTONIC span, to cut a system-wide profile to it. Figures for reading, not for the targets:
-    they do not change what ``all_ready_s`` and ``done_s`` measure."""
+    burst's CLOCK_MONOTONIC span, to cut a system-wide profile to it. Figures for
+    reading, not for the targets: they do not change what ``all_ready_s`` and ``done_s``
+    measure."""
     out: dict[str, Any] = {
         "queued": _pct(waits),
         "create": _pct(creates),
