@@ -112,15 +112,15 @@ async def test_status_reports_core_scheduling(node: Node):
 
 
 async def test_failed_latency_create_leaves_no_cgroup(node: Node, monkeypatch):
-    """A latency create that fails after the runtime started leaves nothing under either
-    root."""
-    from corral.errors import HostError
-    from corral.policy import qos as qos_mod
+    """A latency create that fails after the runtime started (its init never answers)
+    leaves nothing under either root."""
+    from corral.backends.initclient import InitClient
+    from corral.errors import SandboxError
 
-    def fail(pid: int) -> None:
-        raise HostError("injected: SCHED_OTHER refused")
+    async def fail(self: InitClient, *a: object, **kw: object) -> None:
+        raise SandboxError("injected: no answer")
 
-    monkeypatch.setattr(qos_mod.sched, "make_normal", fail)
+    monkeypatch.setattr(InitClient, "ping", fail)
     before = set(node.cgroups.list())
     try:
         await node.sandbox_create(_spec("latency"))

@@ -66,6 +66,26 @@ def test_process_and_namespaces() -> None:
     assert o["-s"] == ["0"] and "-l" not in o
 
 
+@pytest.mark.parametrize("klass", ["best_effort", "latency"])
+def test_the_class_policy_is_the_launchers_to_set(klass: str) -> None:
+    """What qos.apply would do after the start, as launcher options: the policy (set just
+    before the init's exec) and, for best effort, RLIMIT_NICE 0/0 (set before the clone)."""
+    import os
+    import resource
+
+    from corral.policy import qos
+
+    policy, nice = qos.for_launcher(klass)
+    o = _opts(_plan(_config(), policy=policy, nice_limit=nice))
+    if klass == "latency":
+        assert o["-P"] == [str(os.SCHED_OTHER)]
+        assert not any(r.startswith(f"{resource.RLIMIT_NICE}:") for r in o["-r"])
+    else:
+        assert o["-P"] == [str(os.SCHED_IDLE)]
+        assert f"{resource.RLIMIT_NICE}:0:0" in o["-r"]
+    assert "-P" not in _opts(_plan(_config()))  # not asked: left as it is
+
+
 def test_steps_follow_the_config() -> None:
     args = _plan(_config(readonly_root=True))
     steps = [s.split("\t") for s in args[args.index("--") + 1 :]]

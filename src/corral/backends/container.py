@@ -658,11 +658,13 @@ class ContainerBackend:
         return await self._after_start(sandbox_id, spec, pid, phases)
 
     async def _after_start(
-        self, sandbox_id: str, spec: SandboxSpec, pid: int, phases: Phases
+        self, sandbox_id: str, spec: SandboxSpec, pid: int, phases: Phases, *, qos_set: bool = False
     ) -> int:
-        """The end of a create: QoS class, then wait until the init answers."""
-        # Before any guest command exists, so everything the sandbox starts inherits it.
-        qos.apply(pid, spec.qos)
+        """The end of a create: QoS class (unless the launcher set it: ``qos_set``), then
+        wait until the init answers."""
+        if not qos_set:
+            # Before any guest command exists, so everything the sandbox starts inherits it.
+            qos.apply(pid, spec.qos)
         # The runtime may return while the container is still being set up (its last steps,
         # the seccomp listener handover among them, run inside the sandbox's cgroup: for a
         # best-effort sandbox on idle CPU only). "running" means the init answers: a node
@@ -693,6 +695,7 @@ class ContainerBackend:
         detached rootfs overlay, the control socket and the cgroups (:meth:`_prepare`)."""
         assert made.lsock is not None and made.procs is not None
         procs, cpu_procs = made.procs
+        policy, nice_limit = qos.for_launcher(spec.qos)
         with phases.phase("runtime_start"):
             pid = await self.launcher.start(
                 sandbox_id,
@@ -702,11 +705,13 @@ class ContainerBackend:
                 cgroup_procs=procs,
                 cpu_procs=cpu_procs,
                 rootfs_fd=made.root_fd,
+                policy=policy,
+                nice_limit=nice_limit,
             )
         # The init holds its own copy of the socket now; the overlay is attached in the
         # sandbox's namespace and lives as long as that.
         made.close()
-        return await self._after_start(sandbox_id, spec, pid, phases)
+        return await self._after_start(sandbox_id, spec, pid, phases, qos_set=True)
 
     def _config(
         self,

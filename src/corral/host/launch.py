@@ -175,6 +175,8 @@ def plan(
     bpf: bytes | None = None,
     rootfs_fd: bool = False,
     cgroup_tree: str | None = None,
+    policy: int | None = None,
+    nice_limit: tuple[int, int] | None = None,
 ) -> Plan:
     """The launcher's instructions for ``config`` (see the module docstring).
 
@@ -191,6 +193,9 @@ def plan(
     path is then not used. ``cgroup_tree``: (v1) a host directory holding an empty
     directory per name of ``cgroup_mounts``, bound read-only as /sys/fs/cgroup instead of
     a tmpfs per sandbox (one superblock less each; see :meth:`Launcher.cgroup_tree`).
+    ``policy``: the init's scheduling policy (``os.SCHED_*``), set by the launcher just
+    before the init's exec; ``nice_limit``: its RLIMIT_NICE (soft, hard), set before the
+    clone (:func:`corral.policy.qos.for_launcher`: what ``qos.apply`` would do after).
 
     With ``rootfs_fd`` and no network namespace to join (a loopback-only one of its own),
     /sys is a read-only bind of the template's sysfs, made in a network namespace of its
@@ -225,6 +230,12 @@ def plan(
         args += ["-C", ":".join(f"{m:x}" for m in masks)]
     if "oomScoreAdj" in proc:
         args += ["-o", str(int(proc["oomScoreAdj"]))]
+    if nice_limit is not None:
+        import resource
+
+        args += ["-r", f"{resource.RLIMIT_NICE}:{nice_limit[0]}:{nice_limit[1]}"]
+    if policy is not None:
+        args += ["-P", str(policy)]
     args += ["-h", config["hostname"]]
 
     nss = {n["type"]: n.get("path") for n in linux["namespaces"]}
@@ -645,6 +656,8 @@ class Launcher:
         cgroup_procs: Sequence[Path],
         cpu_procs: Sequence[Path] = (),
         rootfs_fd: int = -1,
+        policy: int | None = None,
+        nice_limit: tuple[int, int] | None = None,
     ) -> int:
         """Start the sandbox; returns its init's host pid once the init runs (exec'd).
 
@@ -673,6 +686,8 @@ class Launcher:
             cgroup_v2=self.cgroups.mode == "v2",
             bpf=bpf,
             rootfs_fd=rootfs_fd >= 0,
+            policy=policy,
+            nice_limit=nice_limit,
         )
         template = self.template() if rootfs_fd >= 0 else -1
         argv = [self.binary]

@@ -19,6 +19,9 @@
  *   -m HOSTID:COUNT  uid and gid map 0..COUNT-1 -> HOSTID..
  *   -N             a new network namespace (only loopback)
  *   -h NAME        hostname          -o ADJ  oom_score_adj
+ *   -P POLICY      the init's scheduling policy (SCHED_* number), set just before its exec:
+ *                  the setup runs at the launcher's, the sandbox's first process already
+ *                  has its class's (corral/policy/qos.py; with -r for RLIMIT_NICE)
  *   -C BND:EFF:PRM:INH:AMB  capability sets (hex masks)
  *   -s FLAGS       load the BPF seccomp program read from fd 5 with these filter flags
  *   -l PATH:ID     with a listener: send its fd to the node's listener socket PATH, for ID
@@ -499,6 +502,7 @@ struct plan {
 	unsigned long long caps[5]; /* bnd eff prm inh amb */
 	int has_caps;
 	int seccomp, seccomp_flags, newnet;
+	int policy; /* -P, or -1 */
 	struct sock_fprog prog;
 };
 
@@ -609,6 +613,14 @@ static void __attribute__((noreturn)) child(struct plan *pl, int go, int sock)
 		die("fd 3");
 	if (syscall(SYS_close_range, 4, ~0U, CLOSE_RANGE_CLOEXEC) < 0)
 		die("close_range");
+	if (pl->policy >= 0) {
+		/* Lowering one's own policy needs no privilege; the way back (SCHED_IDLE ->
+		 * SCHED_OTHER) needs RLIMIT_NICE, which -r set for the class. */
+		at("policy");
+		struct sched_param sp = {0};
+		if (sched_setscheduler(0, pl->policy, &sp) < 0)
+			die("sched_setscheduler");
+	}
 	at("no_new_privs");
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		die("PR_SET_NO_NEW_PRIVS");
@@ -802,7 +814,7 @@ int main(int argc, char **argv)
 {
 	if (argc == 3 && !strcmp(argv[1], "-T"))
 		return make_template(argv[2]);
-	static struct plan pl;
+	static struct plan pl = {.policy = -1};
 	const char *netns = NULL, *cgroups[16], *late[16];
 	int ncg = 0, nlate = 0, i = 1, newnet = 0, template = 0;
 	unsigned owner = 0, hostid = 0, count = 0;
@@ -850,6 +862,14 @@ int main(int argc, char **argv)
 		else if (!strcmp(o, "-o")) {
 			pl.oom_adj = atoi(v);
 			pl.has_oom = 1;
+		} else if (!strcmp(o, "-P")) {
+			char *end;
+			long n = strtol(v, &end, 10);
+			if (*end || n < 0 || n > 7) {
+				errno = EINVAL;
+				die(o);
+			}
+			pl.policy = (int)n;
 		} else if (!strcmp(o, "-C")) {
 			if (sscanf(v, "%llx:%llx:%llx:%llx:%llx", &pl.caps[0], &pl.caps[1], &pl.caps[2],
 				   &pl.caps[3], &pl.caps[4]) != 5) {

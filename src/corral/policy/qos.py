@@ -29,9 +29,11 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 from corral.host import sched
 
-__all__ = ["apply"]
+__all__ = ["apply", "for_launcher"]
 
 
 def apply(init_pid: int, qos: str) -> None:
@@ -41,3 +43,14 @@ def apply(init_pid: int, qos: str) -> None:
         sched.make_normal(init_pid)
     else:
         sched.make_idle(init_pid)
+
+
+def for_launcher(qos: str) -> tuple[int, tuple[int, int] | None]:
+    """What :func:`apply` gives class ``qos``, for corral-launch to set itself
+    (:func:`corral.host.launch.plan`): the init's scheduling policy, set just before its
+    exec, and RLIMIT_NICE (soft, hard), set before the clone (None: left as it is). The
+    node then skips :func:`apply`, a /proc read and a call per thread on its event loop
+    for every create."""
+    if qos == "latency":
+        return os.SCHED_OTHER, None
+    return os.SCHED_IDLE, (0, 0)
