@@ -313,11 +313,6 @@ class NodeSecurity:
         self._known.add(sandbox_id)
         if fresh:
             self.log.seen(sandbox_id, {"pids_limit": 0, "oom_kill": 0})
-            # Its first look comes a check interval after the create, like every later
-            # one (after_exec): a new sandbox's counters are zero, and reading three
-            # kernel files after its first command was ~7% of the node's loop time per
-            # create + exec (session 13's profile).
-            self._checked[sandbox_id] = time.monotonic()
         else:
             self.log.seen(sandbox_id, self._counters(sandbox_id))
 
@@ -374,10 +369,12 @@ class NodeSecurity:
         """Quota hits of the exec that just ended (pids limit, OOM kills, disk quota), and
         its output truncation (``truncated``: cut at the cap while the command ran on).
 
-        At most once per ``check_interval`` per sandbox, counted from its create (the
-        reads cost ~0.2 ms, a fast exec ~4 ms): the pids and OOM figures are kernel
-        counters, so nothing is lost, only reported at a later exec or at the destroy
-        (:meth:`before_destroy` always looks)."""
+        At most once per ``check_interval`` per sandbox (the reads cost ~0.2 ms, a fast
+        exec ~4 ms): the pids and OOM figures are kernel counters, so nothing is lost, only
+        reported up to a second later; :meth:`before_destroy` always looks. The disk figure
+        is a level, not a counter: a fill freed again before the next look goes unreported.
+        So a new sandbox's first exec is looked at, not deferred by an interval: filling the
+        disk is often the first thing a guest does (the red-team disk test)."""
         if truncated:
             self.log.record(sandbox_id, "output_truncated", "", {})
         now = time.monotonic()
