@@ -194,6 +194,27 @@ async def test_sh_session_where_the_image_has_no_bash(client: corral.AsyncClient
         assert (await sh.run("echo $x; cat", stdin=b"in")).stdout == b"1\nin"
 
 
+async def test_a_shell_gone_before_its_session_attaches_is_reported_as_not_started(
+    client: corral.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race behind a cwd that does not exist: the shell may end before the session
+    attaches, and the init then answers the attach with its end and closes, so the
+    prologue's write finds the connection gone. The caller hears either way that the shell
+    could not start in that directory, and the sandbox carries on."""
+    from corral.backends import shell as shellmod
+
+    async def gone(self: shellmod.ShellSession, data: bytes) -> None:
+        raise corral.SandboxError("init dropped the connection (attach): [Errno 32] Broken pipe")
+
+    async with await client.sandboxes.create(image="test/debian", limits=SMALL) as sb:
+        with monkeypatch.context() as m:
+            m.setattr(shellmod.ShellSession, "write", gone)
+            with pytest.raises(corral.CorralError, match="could not start a shell session in /tmp"):
+                await sb.shell(cwd="/tmp")
+        sh = await sb.shell(cwd="/tmp")
+        assert (await sh.run("pwd")).stdout == b"/tmp\n"
+
+
 async def test_a_shell_that_ends_is_replaced_and_says_so(client: corral.AsyncClient) -> None:
     async with await client.sandboxes.create(image="test/debian", limits=SMALL) as sb:
         sh = await sb.shell(cwd="/tmp")

@@ -326,16 +326,26 @@ class Execs:
                 await sess.open()
                 await sess.write(shellmod.prologue(bash))
                 r, gone = await sess.run("true", 30, 4096, None)
+            except SandboxError as e:
+                # A shell that could not start (a cwd that does not exist) may have ended
+                # before the session attached: the init then answers the attach with its
+                # end and closes, and the prologue's write finds the connection gone.
+                await self._drop_shell(info, sess)
+                raise self._shell_failed(info, cwd, str(e)) from None
             except BaseException:
                 await self._drop_shell(info, sess)
                 raise
         if gone is not None or r.code != 0:
             await self._drop_shell(info, sess)
-            raise SandboxError(
-                f"sandbox {info.id}: could not start a shell session in {cwd} (is it an "
-                f"existing directory?): {r.stderr.decode(errors='replace')[:500] or gone}"
-            )
+            raise self._shell_failed(info, cwd, r.stderr.decode(errors="replace")[:500] or gone)
         return sess
+
+    @staticmethod
+    def _shell_failed(info: SandboxInfo, cwd: str, why: object) -> SandboxError:
+        return SandboxError(
+            f"sandbox {info.id}: could not start a shell session in {cwd} (is it an "
+            f"existing directory?): {why}"
+        )
 
     def _session(self, info: SandboxInfo, proc_id: str, pid: int) -> shellmod.ShellSession:
         agent = self._agent(info)
