@@ -22,10 +22,12 @@ import pytest
 
 from corral.backends.config import ContainerConfig
 from corral.errors import PathRefused, SandboxNotFound
+from corral.host import sched
 from corral.policy.caps import GUEST_CAPS, cap_mask
 from corral.spec import ExecRequest, ExecResult, Limits, SandboxSpec
 from tests.conftest import TEST_RUN, TEST_STATE, TEST_SUBTREE
 from tests.integration.conftest import assert_no_leaks, node_config, open_node
+from tests.integration.test_qos import PROBE as QOS_PROBE
 
 RUNTIMES = ["crun", "launch"]
 BUSYBOX = "test/busybox"
@@ -93,6 +95,26 @@ async def test_capabilities_and_no_new_privs(rt_node) -> None:  # type: ignore[n
     assert st["NoNewPrivs"] == "1"
     assert st["Seccomp"] == "2" and st["Seccomp_filters"] == "1"
     assert st["Groups"] == ""
+
+
+@pytest.mark.parametrize("klass", ["best_effort", "latency"])
+async def test_cpu_class(rt_node, klass: str) -> None:  # type: ignore[no-untyped-def]
+    """The class's scheduling policy is on every thread of the init before a guest command
+    runs (the node sets it under crun, the launcher itself before the init's exec), the
+    guest's commands inherit it, and a best-effort guest cannot switch back (RLIMIT_NICE
+    0/0)."""
+    backend = rt_node.backends.get("container")
+    async with sandbox(rt_node, image=DEBIAN, qos=klass) as sid:
+        pid = backend.init_pid(sid)
+        want = "idle" if klass == "best_effort" else "other"
+        assert {sched.policy_of(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {want}
+        r = await rt_node.exec(sid, ExecRequest(cmd=["python3", "-c", QOS_PROBE]))
+        assert r.ok, r
+        policy, escape, nice = r.stdout.decode().splitlines()
+        if klass == "best_effort":
+            assert (policy, escape, nice) == (str(os.SCHED_IDLE), "refused", "['0', '0']")
+        else:
+            assert policy == str(os.SCHED_OTHER)
 
 
 async def test_guest_signals_start_default(rt_node) -> None:  # type: ignore[no-untyped-def]

@@ -75,7 +75,7 @@ def test_the_class_policy_is_the_launchers_to_set(klass: str) -> None:
 
     from corral.policy import qos
 
-    policy, nice = qos.for_launcher(klass)
+    policy, nice = qos.settings(klass)
     o = _opts(_plan(_config(), policy=policy, nice_limit=nice))
     if klass == "latency":
         assert o["-P"] == [str(os.SCHED_OTHER)]

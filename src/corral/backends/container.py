@@ -655,16 +655,13 @@ class ContainerBackend:
         pid = self.init_pid(sandbox_id)
         if pid is None:
             raise HostError(f"sandbox {sandbox_id}: the runtime started but reports no init pid")
-        return await self._after_start(sandbox_id, spec, pid, phases)
+        # Before any guest command exists, so everything the sandbox starts inherits it.
+        qos.apply(pid, spec.qos)
+        await self._init_ready(sandbox_id, phases)
+        return pid
 
-    async def _after_start(
-        self, sandbox_id: str, spec: SandboxSpec, pid: int, phases: Phases, *, qos_set: bool = False
-    ) -> int:
-        """The end of a create: QoS class (unless the launcher set it: ``qos_set``), then
-        wait until the init answers."""
-        if not qos_set:
-            # Before any guest command exists, so everything the sandbox starts inherits it.
-            qos.apply(pid, spec.qos)
+    async def _init_ready(self, sandbox_id: str, phases: Phases) -> None:
+        """The end of a create: wait until the init answers."""
         # The runtime may return while the container is still being set up (its last steps,
         # the seccomp listener handover among them, run inside the sandbox's cgroup: for a
         # best-effort sandbox on idle CPU only). "running" means the init answers: a node
@@ -678,7 +675,6 @@ class ContainerBackend:
                     "sandbox starts on idle CPU only, so normal-priority load on every CPU "
                     "delays it"
                 ) from None
-        return pid
 
     async def _launch(
         self,
@@ -695,7 +691,7 @@ class ContainerBackend:
         detached rootfs overlay, the control socket and the cgroups (:meth:`_prepare`)."""
         assert made.lsock is not None and made.procs is not None
         procs, cpu_procs = made.procs
-        policy, nice_limit = qos.for_launcher(spec.qos)
+        policy, nice_limit = qos.settings(spec.qos)
         with phases.phase("runtime_start"):
             pid = await self.launcher.start(
                 sandbox_id,
@@ -711,7 +707,8 @@ class ContainerBackend:
         # The init holds its own copy of the socket now; the overlay is attached in the
         # sandbox's namespace and lives as long as that.
         made.close()
-        return await self._after_start(sandbox_id, spec, pid, phases, qos_set=True)
+        await self._init_ready(sandbox_id, phases)
+        return pid
 
     def _config(
         self,

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -195,7 +196,7 @@ def plan(
     a tmpfs per sandbox (one superblock less each; see :meth:`Launcher.cgroup_tree`).
     ``policy``: the init's scheduling policy (``os.SCHED_*``), set by the launcher just
     before the init's exec; ``nice_limit``: its RLIMIT_NICE (soft, hard), set before the
-    clone (:func:`corral.policy.qos.for_launcher`: what ``qos.apply`` would do after).
+    clone (:func:`corral.policy.qos.settings`: what ``qos.apply`` would do after).
 
     With ``rootfs_fd`` and no network namespace to join (a loopback-only one of its own),
     /sys is a read-only bind of the template's sysfs, made in a network namespace of its
@@ -217,8 +218,6 @@ def plan(
     for e in proc.get("env", []):
         args += ["-e", e]
     for r in proc.get("rlimits", []):
-        import resource
-
         res = getattr(resource, r["type"])
         args += ["-r", f"{int(res)}:{int(r['soft'])}:{int(r['hard'])}"]
     caps = proc.get("capabilities")
@@ -231,8 +230,6 @@ def plan(
     if "oomScoreAdj" in proc:
         args += ["-o", str(int(proc["oomScoreAdj"]))]
     if nice_limit is not None:
-        import resource
-
         args += ["-r", f"{resource.RLIMIT_NICE}:{nice_limit[0]}:{nice_limit[1]}"]
     if policy is not None:
         args += ["-P", str(policy)]

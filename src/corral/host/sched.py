@@ -9,7 +9,7 @@ check CAP_SYS_NICE, both in the initial user namespace, which a sandbox never ha
 
 Example::
 
-    make_idle(pid)                 # SCHED_IDLE + RLIMIT_NICE 0
+    set_class(pid, os.SCHED_IDLE, (0, 0))   # SCHED_IDLE + RLIMIT_NICE 0
     policy_of(pid)                 # "idle"
     core_scheduling()              # (False, "prctl(PR_SCHED_CORE): Invalid argument ...")
 """
@@ -25,7 +25,7 @@ import threading
 from corral.errors import HostError
 from corral.host._sys import errtext, libc
 
-__all__ = ["make_idle", "make_normal", "policy_of", "core_scheduling", "bulk_thread", "BULK_NICE"]
+__all__ = ["set_class", "policy_of", "core_scheduling", "bulk_thread", "BULK_NICE"]
 
 _PR_SCHED_CORE = 62
 _PR_SCHED_CORE_GET = 0
@@ -65,16 +65,18 @@ def _set_all(pid: int, policy: int) -> None:
             done.add(tid)
 
 
-def make_idle(pid: int) -> None:
-    """Put every thread of ``pid`` in SCHED_IDLE and pin its RLIMIT_NICE to 0."""
+def set_class(pid: int, policy: int, nice_limit: tuple[int, int] | None) -> None:
+    """Put every thread of ``pid`` in ``policy`` (``os.SCHED_*``); with ``nice_limit``,
+    first pin its RLIMIT_NICE (soft, hard) there (0, 0: it cannot switch back)."""
     try:
-        if _nice_limits(pid) != (0, 0):
+        if nice_limit is not None and _nice_limits(pid) != nice_limit:
             # Safe: the caller passes a sandbox's own init; lowering limits harms no one.
             # (Needs CAP_SYS_RESOURCE, which a host's default 0/0 makes unnecessary.)
-            resource.prlimit(pid, resource.RLIMIT_NICE, (0, 0))
-        _set_all(pid, os.SCHED_IDLE)
+            resource.prlimit(pid, resource.RLIMIT_NICE, nice_limit)
+        _set_all(pid, policy)
     except OSError as e:
-        raise HostError(f"sched: SCHED_IDLE for pid {pid}: {errtext(e.errno or 0)}") from None
+        name = _NAMES.get(policy, str(policy))
+        raise HostError(f"sched: {name} policy for pid {pid}: {errtext(e.errno or 0)}") from None
 
 
 def _nice_limits(pid: int) -> tuple[int, int]:
@@ -87,14 +89,6 @@ def _nice_limits(pid: int) -> tuple[int, int]:
                     -1 if hard == "unlimited" else int(hard)
                 )
     return -1, -1
-
-
-def make_normal(pid: int) -> None:
-    """Every thread of ``pid`` back to SCHED_OTHER (the latency class)."""
-    try:
-        _set_all(pid, os.SCHED_OTHER)
-    except OSError as e:
-        raise HostError(f"sched: SCHED_OTHER for pid {pid}: {errtext(e.errno or 0)}") from None
 
 
 def policy_of(pid: int) -> str:

@@ -33,24 +33,22 @@ import os
 
 from corral.host import sched
 
-__all__ = ["apply", "for_launcher"]
+__all__ = ["apply", "settings"]
+
+_LATENCY = (os.SCHED_OTHER, None)
+_BEST_EFFORT = (os.SCHED_IDLE, (0, 0))
+
+
+def settings(qos: str) -> tuple[int, tuple[int, int] | None]:
+    """Class ``qos``'s scheduling policy for the init (``os.SCHED_*``) and its RLIMIT_NICE
+    (soft, hard; None: left as it is). :func:`apply` sets them on a running init;
+    corral-launch sets them itself (:func:`corral.host.launch.plan`: the policy just before
+    the init's exec, the limit before the clone), sparing the node's event loop a /proc
+    read and a call per thread for every create."""
+    return _LATENCY if qos == "latency" else _BEST_EFFORT
 
 
 def apply(init_pid: int, qos: str) -> None:
     """Give the sandbox's init the scheduling policy of class ``qos`` (its cgroup has the
     class by path already)."""
-    if qos == "latency":
-        sched.make_normal(init_pid)
-    else:
-        sched.make_idle(init_pid)
-
-
-def for_launcher(qos: str) -> tuple[int, tuple[int, int] | None]:
-    """What :func:`apply` gives class ``qos``, for corral-launch to set itself
-    (:func:`corral.host.launch.plan`): the init's scheduling policy, set just before its
-    exec, and RLIMIT_NICE (soft, hard), set before the clone (None: left as it is). The
-    node then skips :func:`apply`, a /proc read and a call per thread on its event loop
-    for every create."""
-    if qos == "latency":
-        return os.SCHED_OTHER, None
-    return os.SCHED_IDLE, (0, 0)
+    sched.set_class(init_pid, *settings(qos))
