@@ -365,6 +365,21 @@ def test_bind_tmpfs_umount_and_mountinfo(root: Path) -> None:
 # -- btrfs quotas ---------------------------------------------------------------------
 
 
+def test_cleaner_queue_is_counted_and_waited_for(scratch: Scratch) -> None:
+    """Deleted subvolumes are dropped by the cleaner later; the scratch counts its queue
+    and waits until it is empty (the benches' settle), and the space comes back."""
+    assert scratch.pending_cleanup() is not None  # this kernel has the ioctl (6.13+)
+    for i in range(20):
+        sub = scratch.create_subvol(f"c{i}", quota=None)
+        (sub / "f").write_bytes(os.urandom(1 << 20))
+    scratch.sync()
+    for i in range(20):
+        scratch.delete_subvol(f"c{i}")
+    assert scratch.wait_cleaned(60)
+    assert scratch.pending_cleanup() == 0
+    assert scratch.subvols() == []
+
+
 def test_quota_stops_writes_through_overlay(root: Path, scratch: Scratch) -> None:
     times = []
     for i in range(20):

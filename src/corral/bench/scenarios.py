@@ -256,12 +256,16 @@ async def _cgroup_pool(client: AsyncClient) -> dict[str, int] | None:
 
 
 async def _settled(client: AsyncClient) -> None:
-    """Wait until the node's pre-made cgroups of the warm-up's limits are made, as on a
-    node that has been up for a while (an embedded node's; another's settles by itself)."""
+    """Wait until the node's pre-made cgroups of the warm-up's limits are made and the
+    btrfs cleaner has dropped what earlier runs deleted, as on a node that has been up for
+    a while (an embedded node's; another's settles by itself)."""
     from corral.node import Node  # the embedded node: it is imported when the client opens
 
     node = await client._get_ops()
     if isinstance(node, Node):
+        queued = await asyncio.to_thread(node.scratch.pending_cleanup)
+        if queued:
+            say(f"waiting for btrfs to drop {queued} subvolumes deleted by earlier runs")
         await node.wait_settled(60.0)
 
 

@@ -617,8 +617,10 @@ class Node:
     async def wait_settled(self, timeout: float) -> bool:
         """Wait until every backend's background preparation for later creates is done
         (:meth:`corral.backends.base.Backend.settle`: the container engine's pre-made
-        cgroups), as on a node that has been up for a while; False if some backend was not
-        within ``timeout`` seconds. For benches and tests that time creates.
+        cgroups) and the scratch filesystem's cleaner has dropped the subvolumes deleted
+        before (:meth:`corral.host.btrfs.Scratch.wait_cleaned`), as on a node that has been
+        up for a while; False if that was not within ``timeout`` seconds. For benches and
+        tests that time creates.
 
         Example::
 
@@ -631,7 +633,9 @@ class Node:
         for backend in self.backends.all():
             left = max(deadline - loop.time(), 0.0)
             settled = await backend.settle(left) and settled
-        return settled
+        # The cleaner's queue: an earlier node's destroys, dropped after this one's mount.
+        left = max(deadline - loop.time(), 0.0)
+        return await asyncio.to_thread(self.scratch.wait_cleaned, left) and settled
 
     # ------------------------------------------------------------------ gc, reaper
     async def gc(self, everything: bool = False) -> dict[str, int]:
