@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 from corral.node.state import StateStore
@@ -49,3 +50,41 @@ def test_batch_commits_once_keeps_work_on_error_and_nests(tmp_path: Path) -> Non
     finally:
         other.close()
         st.close()
+
+
+def _wal_frames(db: Path) -> tuple[int, int]:
+    """(frames in the WAL, frames already copied into the main file), from the -shm index:
+    mxFrame in its header, nBackfill in the checkpoint info after the header's two copies
+    (read without a checkpoint; the wal_checkpoint pragma would run one)."""
+    head = (db.parent / (db.name + "-shm")).read_bytes()[:100]
+    return struct.unpack_from("=I", head, 16)[0], struct.unpack_from("=I", head, 96)[0]
+
+
+def test_checkpoints_run_in_their_own_thread(tmp_path: Path) -> None:
+    """The writing connection never checkpoints (no fsync in a commit on the event loop);
+    the checkpointer thread copies the WAL into the main file, and close removes the WAL."""
+    db = tmp_path / "state.db"
+    wal = tmp_path / "state.db-wal"
+    st = StateStore(db, checkpoint_interval=3600.0)  # no pass in this part
+    try:
+        assert st._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        for i in range(3000):  # ~1,500 pages of WAL: past SQLite's automatic 1,000
+            st.add_event("sb-x", "k", {"pad": "x" * 1000, "i": i})
+        frames, copied = _wal_frames(db)
+        assert frames > 1000 and copied == 0, (frames, copied)  # no commit checkpointed
+        assert st.checkpoints == 0
+    finally:
+        st.close()
+    assert not wal.exists()
+    st = StateStore(db, checkpoint_interval=0.01)
+    try:
+        for i in range(3000):
+            st.add_event("sb-y", "k", {"pad": "x" * 1000, "i": i})
+        n = st.checkpoints
+        assert st.wait_checkpoints(n + 2, 60.0)  # a whole pass that started after the writes
+        frames, copied = _wal_frames(db)
+        assert frames > 1000 and copied == frames, (frames, copied)  # the thread copied all
+        assert len(st.events(limit=10_000)) == 6000
+    finally:
+        st.close()
+    assert not wal.exists()
