@@ -88,3 +88,16 @@ def test_checkpoints_run_in_their_own_thread(tmp_path: Path) -> None:
     finally:
         st.close()
     assert not wal.exists()
+
+
+def test_a_store_without_checkpointer_starts_no_thread(tmp_path: Path) -> None:
+    """Short-lived users (tools, tests) get SQLite's own checkpoints and no thread: a store
+    left open by a test does not go on checkpointing (and warning) after its dir is gone."""
+    st = StateStore(tmp_path / "state.db")
+    try:
+        assert st._ckpt is None
+        assert st._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+        st.add_event("sb-x", "k", {})
+        st.checkpoint()  # by hand, on its own connection
+    finally:
+        st.close()

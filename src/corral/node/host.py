@@ -22,7 +22,7 @@ from corral.node.network import NodeNetwork
 from corral.node.pause import NodeSwap
 from corral.node.registry import Backends, make_backend
 from corral.node.security import NodeSecurity
-from corral.node.state import StateStore
+from corral.node.state import CHECKPOINT_INTERVAL, StateStore
 from corral.node.table import SandboxTable
 
 __all__ = ["NodeHost", "open_host", "Parts"]
@@ -59,7 +59,7 @@ async def open_host(
     if not node_id_file.exists():
         node_id_file.write_text(uuid.uuid4().hex[:12])
     node_id = node_id_file.read_text().strip()
-    state = StateStore(cfg.state_dir / "state.db")
+    state = StateStore(cfg.state_dir / "state.db", checkpoint_interval=CHECKPOINT_INTERVAL)
     closers.append(state.close)
     store = LayerStore(
         cfg.store_dir, compress=None if cfg.store_compress == "none" else cfg.store_compress

@@ -160,34 +160,40 @@ class _Connection(sqlite3.Connection):
 
 
 class StateStore:
-    """The node's database. Its writes run on the node's event loop; the checkpoints that
-    copy the write-ahead log into the main file (and fsync both) run in a thread of their
-    own (``corral-state-ckpt``, a second connection, every :data:`CHECKPOINT_INTERVAL`
+    """The node's database. Its writes run on the node's event loop; on the node's store
+    (``checkpoint_interval`` given) the checkpoints that copy the write-ahead log into the
+    main file (and fsync both) run in a thread of their own (``corral-state-ckpt``, a second connection, every :data:`CHECKPOINT_INTERVAL`
     seconds), not in whichever commit crosses SQLite's 1000-page mark. Measured here (3000
     batches of two events, one with 2.5 KB of detail, the state dir's disk; two runs each):
     0.28-0.29 ms per commit on average and up to 32-40 ms (a checkpoint's fsyncs) with
     SQLite's automatic checkpoint, 0.15-0.16 ms and at most 0.5-0.6 ms with the thread. A
     passive checkpoint takes no writer's lock, so the loop's commits go on while it runs."""
 
-    def __init__(self, path: Path, checkpoint_interval: float = CHECKPOINT_INTERVAL) -> None:
+    def __init__(self, path: Path, checkpoint_interval: float | None = None) -> None:
+        """``checkpoint_interval``: seconds between the checkpointer thread's passes (the
+        node passes :data:`CHECKPOINT_INTERVAL`); None, for short-lived users (tools,
+        tests): no thread, SQLite checkpoints in its commits as by default."""
         path.parent.mkdir(parents=True, exist_ok=True)
         check_wal(path)
         self._db = self._connect(path)
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file.
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's work
         self._db.executescript(_SCHEMA)
         self._closed = False
         self._batch_lock = threading.RLock()
+        self.checkpoints = 0
+        """Checkpointer passes so far (tests wait on it: :meth:`wait_checkpoints`)."""
+        self._passes = threading.Condition()
+        self._stop = threading.Event()
+        self._ckpt: threading.Thread | None = None
+        if checkpoint_interval is None:
+            return
+        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's work
         # A burst's WAL is not left that big on disk once the checkpointer has caught up.
         self._db.execute(f"PRAGMA journal_size_limit={_WAL_KEEP}")
         self._ckpt_db = self._connect(path)
         self._ckpt_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._passes = threading.Condition()
-        self.checkpoints = 0
-        """Checkpointer passes so far (tests wait on it: :meth:`wait_checkpoints`)."""
         self._ckpt = threading.Thread(
             target=self._checkpointer, args=(checkpoint_interval,), name="corral-state-ckpt"
         )
@@ -207,12 +213,16 @@ class StateStore:
         return db
 
     def _checkpointer(self, interval: float) -> None:
+        failing = False
         while not self._stop.wait(interval):
             try:
                 self.checkpoint()
+                failing = False
             except (sqlite3.Error, HostError) as e:
-                # The next pass tries again; the WAL only grows meanwhile.
-                _log.warning("state database checkpoint: %s", e)
+                # The next pass tries again (the WAL only grows meanwhile); said once.
+                if not failing:
+                    _log.warning("state database checkpoint (retried every pass): %s", e)
+                failing = True
             with self._passes:
                 self.checkpoints += 1
                 self._passes.notify_all()
@@ -220,6 +230,9 @@ class StateStore:
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the main file (passive: what no reader needs),
         on the checkpointer's connection. The thread calls it; not for the event loop."""
+        if self._ckpt is None:  # no checkpointer: SQLite's own, or this one by hand
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            return
         with self._ckpt_lock:
             self._ckpt_db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
@@ -248,9 +261,10 @@ class StateStore:
 
     def close(self) -> None:
         self._closed = True
-        self._stop.set()
-        self._ckpt.join()
-        self._ckpt_db.close()
+        if self._ckpt is not None:
+            self._stop.set()
+            self._ckpt.join()
+            self._ckpt_db.close()
         self._db.close()  # the last connection: checkpoints and removes the WAL
 
     # sandboxes
