@@ -106,6 +106,19 @@ def test_an_unreachable_holder_is_ended_by_its_recorded_pid(run_dir: Path) -> No
         store.close()
 
 
+def test_a_new_holder_is_recognised_as_soon_as_open_returns(run_dir: Path) -> None:
+    # Right after posix_spawn the child's /proc/PID/cmdline can still read empty (its argv is
+    # set after the exec has released the parent): open waits for the holder's answer, so
+    # end_stale can always tell it is the holder. Several starts, since the window is short.
+    for _ in range(20):
+        store, _ = FdStore.open(run_dir, BIN)
+        try:
+            assert store.pid is not None and fdstore.holder_pid(run_dir) == store.pid
+        finally:
+            store.close()
+        assert not _alive(store.pid)
+
+
 def test_end_stale_checks_the_process_not_just_the_pid(run_dir: Path) -> None:
     # A pid file naming a process that is not a holder of this run dir: never signalled.
     victim = os.posix_spawn("/bin/sleep", ["sleep", "30"], {})

@@ -463,7 +463,19 @@ class FdStore:
                 raise HostError(f"cannot reach the seccomp fd holder at {path}: {e}") from e
         finally:
             lsock.close()  # the holder has its own copy
-        return cls(run_dir, s, pid)
+        store = cls(run_dir, s, pid)
+        # posix_spawn returns once the child's exec has replaced its memory, but before the
+        # kernel has set its argv: /proc/PID/cmdline can read empty for a while, and
+        # end_stale would not recognise the holder. An answer means it is in its main loop.
+        if not store.ping(5.0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)  # our own child, just started
+            _wait_gone(pid, 5.0)
+            for name in (PID_NAME, SOCK_NAME):
+                with contextlib.suppress(FileNotFoundError):
+                    (run_dir / name).unlink()
+            raise HostError(f"the seccomp fd holder started at {path} does not answer")
+        return store
 
     def held(self) -> set[str]:
         """Sandboxes the holder keeps an fd of (as this agent told it)."""
