@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from corral.errors import InvalidRequest
+from corral.host._sys import read_small
 from corral.spec import BackendStatus, FileStat, ImageInfo, LayerInfo, SandboxSpec
 
 if TYPE_CHECKING:
@@ -130,10 +131,10 @@ class CgroupMeters:
     @functools.cached_property
     def pids_refused(self) -> int | None:
         with contextlib.suppress(Exception):
-            text = self._ctx.cgroups.control_file("pids", self._sid, "pids.events").read_text()
-            for line in text.splitlines():
-                k, _, v = line.partition(" ")
-                if k == "max":
+            path = self._ctx.cgroups.control_file("pids", self._sid, "pids.events")
+            for line in read_small(path).splitlines():
+                k, _, v = line.partition(b" ")
+                if k == b"max":
                     return int(v) + int(self._base.get("pids_refused", 0))
         return None
 

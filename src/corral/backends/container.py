@@ -58,6 +58,7 @@ from corral.backends.initclient import InitClient
 from corral.errors import HostError, SandboxError
 from corral.host import initfs, launch, mounts
 from corral.host._aio import fd_ready
+from corral.host._sys import read_small
 from corral.host.cgroups import CgroupPool
 from corral.host.launch import Launcher
 from corral.host.owners import OwnerUids, namespace_owner
@@ -808,8 +809,7 @@ class ContainerBackend:
         if not pid:
             return False
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fields = read_small(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
             state, flags = fields[0], int(fields[6])
         except (OSError, IndexError, ValueError):
             return False

@@ -26,6 +26,7 @@ __all__ = [
     "fsmount",
     "unshare",
     "errtext",
+    "read_small",
     "MS_RDONLY",
     "MS_NOSUID",
     "MS_NODEV",
@@ -127,6 +128,21 @@ def check(ret: int, what: str) -> int:
 
 def syscall(name: str, *args: object) -> int:
     return check(_syscall(_NR[name], *args), name)
+
+
+def read_small(path: str | os.PathLike[str]) -> bytes:
+    """The whole of a small file (a /proc or cgroup file, a pid record) by plain syscalls.
+    The node reads several per create and exec on its event loop; here this costs ~10 us of
+    CPU against ~30 us for ``open(path, "rb").read()`` and ~50 us in text mode (their
+    buffer and decoder objects). Raises OSError like ``open``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _b(path: str | os.PathLike[str] | None) -> bytes | None:

@@ -454,7 +454,7 @@ class Scratch:
         sub_id = self.subvol_id(name)
         path = Path("/sys/fs/btrfs") / str(self._fsid) / "qgroups" / f"0_{sub_id}" / "referenced"
         try:
-            return int(path.read_text())
+            return int(_sys.read_small(path))
         except OSError as e:
             raise HostError(f"btrfs usage of {name}: cannot read {path}: {e}") from None
 

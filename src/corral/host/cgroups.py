@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from corral.errors import HostError
-from corral.host._sys import errtext
+from corral.host._sys import errtext, read_small
 
 __all__ = [
     "detect_mode",
@@ -295,8 +295,7 @@ class Cgroups:
     @staticmethod
     def _read(path: Path) -> str:
         try:
-            with open(path) as f:
-                return f.read()
+            return read_small(path).decode()
         except OSError as e:
             raise HostError(f"cgroups: reading {path}: {errtext(e.errno or 0)}") from None
 

@@ -47,6 +47,7 @@ from typing import Any
 from corral.errors import HostError
 from corral.host import cbuild, mounts, spawnd
 from corral.host._aio import reap
+from corral.host._sys import read_small
 from corral.host.cgroups import CgroupPool, Cgroups
 from corral.host.runtime import _TMPFS_MAGIC, _fs_type
 from corral.host.seccomp_bpf import compile_profile, filter_flags
@@ -743,7 +744,7 @@ class Launcher:
     def init_pid(self, sandbox_id: str) -> int | None:
         """The init's host pid, if the recorded process still exists (same start time)."""
         try:
-            pid_s, start = self._path(sandbox_id).read_text().split()
+            pid_s, start = read_small(self._path(sandbox_id)).decode().split()
         except (OSError, ValueError):
             return None
         pid = int(pid_s)
@@ -801,8 +802,7 @@ def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat (start time in ticks since boot): with the pid, an
     identity no later process can have."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+        return read_small(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[19].decode()
     except (OSError, IndexError):
         return None
 

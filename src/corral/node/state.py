@@ -162,8 +162,9 @@ class _Connection(sqlite3.Connection):
 class StateStore:
     """The node's database. Its writes run on the node's event loop; on the node's store
     (``checkpoint_interval`` given) the checkpoints that copy the write-ahead log into the
-    main file (and fsync both) run in a thread of their own (``corral-state-ckpt``, a second connection, every :data:`CHECKPOINT_INTERVAL`
-    seconds), not in whichever commit crosses SQLite's 1000-page mark. Measured here (3000
+    main file (and fsync both) run in a thread of their own (``corral-state-ckpt``, a
+    second connection, every :data:`CHECKPOINT_INTERVAL` seconds), not in whichever commit
+    crosses SQLite's 1000-page mark. Measured here (3000
     batches of two events, one with 2.5 KB of detail, the state dir's disk; two runs each):
     0.28-0.29 ms per commit on average and up to 32-40 ms (a checkpoint's fsyncs) with
     SQLite's automatic checkpoint, 0.15-0.16 ms and at most 0.5-0.6 ms with the thread. A
