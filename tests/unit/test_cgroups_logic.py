@@ -1039,6 +1039,14 @@ def test_v1_cpu_classes_by_path(make_kernel: KernelFactory, v1mode: str) -> None
         assert not (k.path(ctrl) / "corral" / "sb-lat").exists(), ctrl
     cg.add_pid("sb-lat", 8)
     assert cg.procs("sb-lat") == [8]
+    # The event loop's reads build their paths as strings: the same files as _dir's.
+    fresh = open_cg(k, "mountinfo")  # knows neither: looks each up on disk
+    for c in (cg, fresh):
+        for ctrl, name in (("memory", "sb-be"), ("pids", "sb-lat"), ("freezer", "sb-lat")):
+            assert c._file(ctrl, name, "cgroup.procs") == str(c._dir(ctrl, name) / "cgroup.procs")
+        assert c.procs("sb-lat") == [8]
+    with pytest.raises(HostError):
+        fresh._file("memory", "../sb-be", "cgroup.procs")  # an unknown name is checked
     assert read(cpu / "corral-latency" / "sb-lat" / "cpu.cfs_quota_us") == "100000"
     cs = k.path("cpuset") / "corral-latency"
     assert read(cs / "cpuset.cpus") == "0-1" and not (cs / "sb-lat").exists()

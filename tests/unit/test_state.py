@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 from corral.node.state import StateStore
+from corral.spec import SandboxInfo, SandboxSpec
 
 
 def test_events_marks_and_retention(tmp_path: Path) -> None:
@@ -99,5 +101,36 @@ def test_a_store_without_checkpointer_starts_no_thread(tmp_path: Path) -> None:
         assert st._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
         st.add_event("sb-x", "k", {})
         st.checkpoint()  # by hand, on its own connection
+    finally:
+        st.close()
+
+
+def test_a_state_change_alone_writes_the_state_column_and_every_read_takes_it(
+    tmp_path: Path,
+) -> None:
+    now = time.time()
+    info = SandboxInfo(
+        id="sb-00000001-n0000001",
+        state="running",
+        image="fake/base",
+        image_digest="sha256:" + "0" * 64,
+        spec=SandboxSpec(image="fake/base"),
+        node_id="n0000001",
+        created_at=now,
+        last_active_at=now,
+    )
+    st = StateStore(tmp_path / "state.db")
+    try:
+        st.put_sandbox(info)
+        st.set_state(info.id, "paused")
+        (raw,) = st._db.execute("SELECT info FROM sandboxes").fetchone()
+        assert '"state":"running"' in raw  # the JSON was not rewritten
+        got = st.get_sandbox(info.id)
+        assert got is not None and got.state == "paused"
+        assert [s.state for s in st.live_sandboxes()] == ["paused"]  # what a restart adopts
+        st.set_state(info.id, "destroying")
+        assert [s.state for s in st.live_sandboxes()] == ["destroying"]
+        st.mark_destroyed(info.id)
+        assert st.live_sandboxes() == []
     finally:
         st.close()

@@ -452,7 +452,7 @@ class Scratch:
     def usage(self, name: str) -> int:
         """Bytes charged to subvolume ``name``'s qgroup (as of the last transaction commit)."""
         sub_id = self.subvol_id(name)
-        path = Path("/sys/fs/btrfs") / str(self._fsid) / "qgroups" / f"0_{sub_id}" / "referenced"
+        path = f"/sys/fs/btrfs/{self._fsid}/qgroups/0_{sub_id}/referenced"  # one string: per exec
         try:
             return int(_sys.read_small(path))
         except OSError as e:

@@ -291,14 +291,24 @@ class StateStore:
         if row is None:
             return None
         info = SandboxInfo.model_validate_json(row[0])
-        # The state column is the truth: mark_destroyed updates only it, not the JSON.
+        # The state column is the truth: set_state and mark_destroyed update only it.
         return info if info.state == row[1] else info.model_copy(update={"state": row[1]})
 
     def live_sandboxes(self) -> list[SandboxInfo]:
-        q = "SELECT info FROM sandboxes WHERE state IN (%s) ORDER BY created_at" % ",".join(
-            "?" * len(_LIVE)
+        q = "SELECT info, state FROM sandboxes WHERE state IN (%s) ORDER BY created_at" % (
+            ",".join("?" * len(_LIVE))
         )
-        return [SandboxInfo.model_validate_json(r[0]) for r in self._db.execute(q, _LIVE)]
+        out = []
+        for raw, state in self._db.execute(q, _LIVE):
+            info = SandboxInfo.model_validate_json(raw)
+            out.append(info if info.state == state else info.model_copy(update={"state": state}))
+        return out
+
+    def set_state(self, sandbox_id: str, state: str) -> None:
+        """A state change and nothing else: the state column only, which every read takes
+        over the record's JSON (a destroy's "destroying" is then no serialisation of the
+        whole record on the event loop)."""
+        self._db.execute("UPDATE sandboxes SET state=? WHERE id=?", (state, sandbox_id))
 
     def mark_destroyed(self, sandbox_id: str) -> None:
         """Keep the row (labels stay queryable for events), drop what only a live one needs.

@@ -143,7 +143,10 @@ class SandboxTable:
         self._live[sandbox_id] = info
         # Also "destroying": an agent killed mid-destroy leaves a record that the next
         # open does not adopt but finishes destroying (reported "lost").
-        self._state.put_sandbox(info)
+        if update:
+            self._state.put_sandbox(info)
+        else:
+            self._state.set_state(sandbox_id, state)
         self._tell(sandbox_id, info)
         return info
 
