@@ -190,10 +190,10 @@ class Cgroups:
         self._real: dict[Path, str] = {}
         """hierarchy root -> its realpath (a mount point: fixed for the node's life)."""
         self._latency: dict[str, bool] = {}
-        self._root_s: dict[str, str] = {}
-        """controller -> its hierarchy root as a string (:meth:`_file`)."""
         """sandbox -> in the latency root, for cgroups made by :meth:`create` (saves a
         stat per control file access); others are looked up on disk."""
+        self._root_s: dict[str, str] = {}
+        """controller -> its hierarchy root as a string (:meth:`_file`)."""
         # controller -> hierarchy root used to create/read; all_roots: every hierarchy
         # (named ones, the hybrid cgroup2) a runtime may have created our path in.
         self._ctrl: dict[str, Path] = {}
