@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from corral.errors import InvalidRequest
-from corral.host._sys import read_small
 from corral.spec import BackendStatus, FileStat, ImageInfo, LayerInfo, SandboxSpec
 
 if TYPE_CHECKING:
@@ -131,11 +130,9 @@ class CgroupMeters:
     @functools.cached_property
     def pids_refused(self) -> int | None:
         with contextlib.suppress(Exception):
-            path = self._ctx.cgroups.control_file("pids", self._sid, "pids.events")
-            for line in read_small(path).splitlines():
-                k, _, v = line.partition(b" ")
-                if k == b"max":
-                    return int(v) + int(self._base.get("pids_refused", 0))
+            return self._ctx.cgroups.pids_refused(self._sid) + int(
+                self._base.get("pids_refused", 0)
+            )
         return None
 
     @functools.cached_property

@@ -258,8 +258,7 @@ class Cgroups:
             return f"{self._dir(ctrl, name)}/{filename}"  # checks the name
         root = self._root_s.get(ctrl)
         if root is None:
-            top = self.v2_root if self.mode == "v2" else self._ctrl[ctrl]
-            root = self._root_s[ctrl] = str(top)
+            root = self._root_s[ctrl] = str(self.hierarchy(ctrl))
         return f"{root}/{self.latency_root if known else self.subtree}/{name}/{filename}"
 
     def hierarchy(self, ctrl: str) -> Path:
@@ -602,6 +601,10 @@ class Cgroups:
         if self.mode == "v2":
             return self._keyed(self._read(self._file("", name, "memory.events")), "oom_kill")
         return self._keyed(self._read(self._file("memory", name, "memory.oom_control")), "oom_kill")
+
+    def pids_refused(self, name: str) -> int:
+        """How many forks the pids limit refused in the cgroup (pids.events ``max``)."""
+        return self._keyed(self._read(self._file("pids", name, "pids.events")), "max")
 
     def memory_current(self, name: str) -> int:
         """Bytes of memory charged to the cgroup now."""

@@ -164,11 +164,11 @@ class StateStore:
     (``checkpoint_interval`` given) the checkpoints that copy the write-ahead log into the
     main file (and fsync both) run in a thread of their own (``corral-state-ckpt``, a
     second connection, every :data:`CHECKPOINT_INTERVAL` seconds), not in whichever commit
-    crosses SQLite's 1000-page mark. Measured here (3000
-    batches of two events, one with 2.5 KB of detail, the state dir's disk; two runs each):
-    0.28-0.29 ms per commit on average and up to 32-40 ms (a checkpoint's fsyncs) with
-    SQLite's automatic checkpoint, 0.15-0.16 ms and at most 0.5-0.6 ms with the thread. A
-    passive checkpoint takes no writer's lock, so the loop's commits go on while it runs."""
+    crosses SQLite's 1000-page mark. Measured here (3000 batches of two events, one with
+    2.5 KB of detail, the state dir's disk; two runs each): 0.28-0.29 ms per commit on
+    average and up to 32-40 ms (a checkpoint's fsyncs) with SQLite's automatic checkpoint,
+    0.15-0.16 ms and at most 0.5-0.6 ms with the thread. A passive checkpoint takes no
+    writer's lock, so the loop's commits go on while it runs."""
 
     def __init__(self, path: Path, checkpoint_interval: float | None = None) -> None:
         """``checkpoint_interval``: seconds between the checkpointer thread's passes (the
@@ -290,19 +290,13 @@ class StateStore:
         ).fetchone()
         if row is None:
             return None
-        info = SandboxInfo.model_validate_json(row[0])
-        # The state column is the truth: set_state and mark_destroyed update only it.
-        return info if info.state == row[1] else info.model_copy(update={"state": row[1]})
+        return _record(row[0], row[1])
 
     def live_sandboxes(self) -> list[SandboxInfo]:
         q = "SELECT info, state FROM sandboxes WHERE state IN (%s) ORDER BY created_at" % (
             ",".join("?" * len(_LIVE))
         )
-        out = []
-        for raw, state in self._db.execute(q, _LIVE):
-            info = SandboxInfo.model_validate_json(raw)
-            out.append(info if info.state == state else info.model_copy(update={"state": state}))
-        return out
+        return [_record(raw, state) for raw, state in self._db.execute(q, _LIVE)]
 
     def set_state(self, sandbox_id: str, state: str) -> None:
         """A state change and nothing else: the state column only, which every read takes
@@ -540,6 +534,13 @@ class StateStore:
         ).fetchall()
         top = max((int(r[0]) for r in rows), default=since_id)
         return top, {r[1]: int(r[2]) for r in rows}
+
+
+def _record(raw: str, state: str) -> SandboxInfo:
+    """A sandbox row's record. The state column is the truth: set_state and mark_destroyed
+    update only it, not the JSON."""
+    info = SandboxInfo.model_validate_json(raw)
+    return info if info.state == state else info.model_copy(update={"state": state})
 
 
 def _event_filter(sandbox_id: str | None, kinds: list[str] | None) -> tuple[str, list[object]]:
