@@ -761,6 +761,71 @@ async def test_create_takes_a_premade_cgroup(images_ready) -> None:  # type: ign
     shutil.rmtree(dirs["state_dir"], ignore_errors=True)
 
 
+async def test_a_destroyed_sandboxs_cgroup_is_reused_only_when_clean(images_ready) -> None:  # type: ignore[no-untyped-def]
+    """v1: a destroyed sandbox's cgroups go back to the pool (CgroupPool.give_back) and
+    the next create of its limits gets them: the same kernel cgroups (inode numbers),
+    with the counters a write can reset at zero and the limits as at a create, though the
+    last sandbox changed its memory limit. A cgroup that counted an OOM kill (a counter
+    the kernel cannot reset) is removed instead. The pool trims itself back to its size,
+    and nothing is left after close."""
+    from corral.host.launch import POOL_SIZE
+
+    async def returned() -> int:
+        [st] = [b for b in (await n.node_status()).backends if b.kind == "container"]
+        return int(st.detail["cgroup_pool_returned"])
+
+    def inodes(sid: str) -> dict[str, int]:
+        return {c: os.stat(cg.control_file(c, sid, "cgroup.procs")).st_ino for c in _LIMIT_FILES}
+
+    dirs = _dirs("lpr")
+    async with open_node(backends=[ContainerConfig(runtime="launch")], **dirs) as n:
+        cg = n.cgroups
+        if cg.mode == "v2":
+            pytest.skip("v1 and hybrid only")
+        limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
+        async with sandbox(n, image=DEBIAN, limits=limits) as fresh:
+            # The image's pages are charged to the first cgroup that reads them: this one's.
+            # (A destroyed sandbox that still holds more than REUSE_SLACK is not reused.)
+            assert (await sh(n, fresh, "python3 -c pass")).exit_code == 0
+            assert await n.wait_settled(60)
+            want = _limit_files(cg, fresh)
+            async with sandbox(n, image=DEBIAN, limits=limits) as first:
+                r = await sh(n, first, "python3 -c 'b = bytearray(48 << 20); print(len(b))'")
+                assert r.exit_code == 0, r
+                assert cg.memory_usage(first)[0] < (48 << 20)  # its memory went with it
+                peak = int(cg.control_file("memory", first, "memory.max_usage_in_bytes").read_text())
+                assert peak > (48 << 20) and cg.cpu_seconds(first) > 0
+                cg.set_memory(first, 80 << 20, 0)  # as a pause or an fncall call may
+                used = inodes(first)
+                before = await returned()
+            assert await returned() == before + 1 and first not in cg.list()
+            async with sandbox(n, image=DEBIAN, limits=limits) as second:
+                assert inodes(second) == used  # the same kernel cgroups, renamed
+                assert _limit_files(cg, second) == want
+                mem = cg.control_file("memory", second, "memory.max_usage_in_bytes")
+                assert int(mem.read_text()) < (16 << 20)
+                assert cg.control_file("memory", second, "memory.failcnt").read_text() == "0\n"
+                assert cg.cpu_seconds(second) < 1.0 and cg.oom_kills(second) == 0
+                assert cg.pids_refused(second) == 0
+                assert (await sh(n, second, "echo ok")).stdout == b"ok\n"
+            assert await returned() == before + 2
+            async with sandbox(n, image=DEBIAN, limits=limits) as killed:
+                r = await sh(n, killed, "python3 -c 'b = bytearray(256 << 20)'")
+                assert r.exit_code != 0 and cg.oom_kills(killed) >= 1
+                gone = inodes(killed)
+            assert await returned() == before + 2  # not kept: removed
+            assert not set(gone.values()) & {
+                os.stat(cg.control_file(c, p, "cgroup.procs")).st_ino
+                for p in cg.pooled()
+                for c in _LIMIT_FILES
+            }
+            assert await n.wait_settled(60)
+            assert len(cg.pooled()) == POOL_SIZE and set(cg.list()) == {fresh}
+    assert cg.pooled() == []
+    assert_no_leaks(dirs["state_dir"], dirs["run_dir"], dirs["cgroup_subtree"])
+    shutil.rmtree(dirs["state_dir"], ignore_errors=True)
+
+
 async def test_a_crashed_nodes_premade_cgroups_go_at_start(images_ready) -> None:  # type: ignore[no-untyped-def]
     """Pre-made cgroups a node left (it died without its close) are removed when the next
     node on the subtree starts, and are never taken for sandboxes."""

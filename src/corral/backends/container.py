@@ -316,6 +316,7 @@ class ContainerBackend:
         if pool is not None:  # pre-made cgroups: per limits, and creates that got one
             detail["cgroup_pool_size"] = str(pool.size)
             detail["cgroup_pool_taken"] = str(pool.taken)
+            detail["cgroup_pool_returned"] = str(pool.returned)
         return BackendStatus(kind=self.kind, ok=self._started, detail=detail)
 
     def _cgroup_pool(self) -> CgroupPool | None:
@@ -898,6 +899,9 @@ class ContainerBackend:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
         pause = 0.002
+        pool = self._cgroup_pool()
+        if pool is not None:
+            pool.forget(sandbox_id)
         while True:
             try:
                 self.cgroups.remove(sandbox_id, timeout=0)
@@ -911,9 +915,17 @@ class ContainerBackend:
     async def _remove_cgroup_off_loop(self, sandbox_id: str) -> None:
         """:meth:`_remove_cgroup`, its first try in a worker thread: removing a sandbox's
         cgroup is an rmdir per hierarchy (v1: ten), kernel time the event loop need not
-        wait for. Tasks still leaving (EBUSY) get the patient retries on the loop."""
+        wait for. Tasks still leaving (EBUSY) get the patient retries on the loop. With
+        pre-made cgroups, a cgroup that can be reused goes back to the pool instead
+        (:meth:`CgroupPool.give_back`)."""
+        pool = self._cgroup_pool()
+
+        def drop() -> None:
+            if pool is None or not pool.give_back(sandbox_id):
+                self.cgroups.remove(sandbox_id, timeout=0)
+
         try:
-            await in_thread(functools.partial(self.cgroups.remove, sandbox_id, timeout=0))
+            await in_thread(drop)
         except HostError as e:
             if "EBUSY" not in str(e):
                 raise

@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from corral.bench import dfs
 from corral.bench.scenarios import BenchOptions, machine, say
+from corral.bench.stats import machine_busy_s
 from corral.errors import SandboxError
 from corral.host import pagecache
 from corral.images.store import LayerStore
@@ -96,12 +95,6 @@ def disk_writes(path: Path) -> int:
             if int(p[0]) == major and int(p[1]) == minor:
                 return int(p[9]) * 512
     return 0
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine has spent busy (all cores; not idle, not iowait)."""
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - t.iowait
 
 
 def cpu_split(

@@ -8,6 +8,12 @@ table, a cgroup hierarchy, a database table, a per-tick scan) shows up as a slop
 the end all sandboxes are destroyed (timed: ``destroy_per_s``) and the host is scanned
 for leftovers, like ``bench density``.
 
+A destroy may leave the sandbox's cgroups to the node's pool of pre-made ones (v1: see
+``CgroupPool.give_back``), which removes those beyond its size once the node is quiet.
+That removal is work the destroys handed on, so it is timed too: ``after_destroy`` has
+the seconds until the node settled, with the machine's busy CPU (all cores, kernel
+threads included) during the destroys and after them, per destroy.
+
 ``exec_p50_ms_empty`` is measured with one sandbox alive before the first window,
 ``exec_p50_ms_full`` with all ``count`` alive (the last window's figure).
 
@@ -31,6 +37,7 @@ from typing import Any
 
 from corral.bench.scenarios import (
     BenchOptions,
+    _cgroup_pool,
     _create_n,
     _destroy_all,
     _true,
@@ -41,7 +48,7 @@ from corral.bench.scenarios import (
     prepared,
     say,
 )
-from corral.bench.stats import CpuMeter, rate, summary_ms
+from corral.bench.stats import CpuMeter, machine_busy_s, rate, summary_ms
 from corral.errors import CorralError
 from corral.host import leaks
 from corral.sdk import AsyncClient, Sandbox
@@ -102,6 +109,28 @@ async def _exec_p50(sbs: list[Sandbox], w: dict[str, Any]) -> None:
         w["exec_again_p50_ms"] = float(summary_ms(again.latencies)["p50_ms"])
 
 
+async def _settle_after(client: AsyncClient, busy0: float, n: int) -> dict[str, Any]:
+    """The pool settling after the destroys (removing the cgroups it holds beyond its
+    size; the btrfs cleaner is not waited for): seconds, and the machine's busy CPU per
+    destroy during the destroys and during the settling."""
+    from corral.node import Node  # the embedded node: it is imported when the client opens
+
+    busy1, t0 = machine_busy_s(), time.monotonic()
+    pool = await _cgroup_pool(client)
+    node = await client._get_ops()
+    engine = node.backends.get("container") if isinstance(node, Node) else None
+    if engine is not None:
+        await engine.settle(300.0)
+    busy2 = machine_busy_s()
+    per = 1000 / max(n, 1)
+    return {
+        "settle_s": round(time.monotonic() - t0, 2),
+        "machine_busy_ms_per_destroy": round((busy1 - busy0) * per, 2),
+        "machine_busy_ms_per_destroy_settling": round((busy2 - busy1) * per, 2),
+        "cgroup_pool": pool,
+    }
+
+
 async def _run(
     opts: BenchOptions, image: str, count: int, window: int, concurrency: int
 ) -> dict[str, Any]:
@@ -159,11 +188,13 @@ async def _run(
             todo, sbs = sbs, []
             cpu = CpuMeter().start()
             t0 = time.monotonic()
+            busy0 = machine_busy_s()
             gone = await _destroy_all(todo, concurrency)
             res["destroy_mono_s"] = [round(t0, 3), round(time.monotonic(), 3)]
             res["destroy_per_s"] = rate(len(gone.latencies), gone.wall) if todo else 0.0
             res["cpu_ms_per_destroy"] = cpu.per_op(len(gone.latencies))
             res["destroy_errors"] = len(gone.errors)
+            res["after_destroy"] = await _settle_after(client, busy0, len(gone.latencies))
         finally:
             await _destroy_all(sbs, concurrency)
     # The spec's key order: scenario, count, windows, then the summary figures.

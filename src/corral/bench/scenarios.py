@@ -244,13 +244,15 @@ async def _warm_up(client: AsyncClient, img: ImageInfo) -> None:
 
 async def _cgroup_pool(client: AsyncClient) -> dict[str, int] | None:
     """The container engine's pre-made cgroups (host/cgroups.py, CgroupPool), as its node
-    status reports them: the pool size per limits and the creates that got one; None
-    without a pool (an OCI runtime, or cgroup v2)."""
+    status reports them: the pool size per limits, the creates that got one and the
+    destroyed sandboxes' cgroups it kept; None without a pool (an OCI runtime, or cgroup
+    v2)."""
     for b in (await client.node_status()).backends:
         if b.kind == "container" and "cgroup_pool_taken" in b.detail:
             return {
                 "size": int(b.detail["cgroup_pool_size"]),
                 "taken": int(b.detail["cgroup_pool_taken"]),
+                "returned": int(b.detail.get("cgroup_pool_returned", 0)),
             }
     return None
 

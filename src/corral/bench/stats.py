@@ -17,9 +17,11 @@ import math
 import os
 from collections.abc import Sequence
 
+import psutil
+
 from corral.host import spawnd
 
-__all__ = ["percentile", "p50", "p99", "summary_ms", "rate", "CpuMeter"]
+__all__ = ["percentile", "p50", "p99", "summary_ms", "rate", "CpuMeter", "machine_busy_s"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -63,6 +65,12 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
         "max_ms": round(max(seconds) * 1000, 2),
         "n": len(seconds),
     }
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine has spent busy (all cores; not idle, not iowait)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - t.iowait
 
 
 class CpuMeter:

@@ -68,6 +68,18 @@ _RECYCLED_V1 = (  # the limit before memsw: a new cgroup's memsw limit is unlimi
 )
 """Control files a recycled cgroup gets again (:meth:`Cgroups.recycle`): every one corral
 sets on a sandbox's cgroup (v2) or memory cgroup (v1)."""
+_RESET_V1 = (
+    "memory.max_usage_in_bytes",
+    "memory.failcnt",
+    "memory.memsw.max_usage_in_bytes",
+    "memory.memsw.failcnt",
+    "cpuacct.usage",
+)
+"""Counters of a v1 sandbox cgroup that a write of 0 resets (:meth:`Cgroups.reuse_as`)."""
+REUSE_SLACK = 1 << 20
+"""Bytes a destroyed sandbox's memory cgroup may still be charged and be reused: measured
+here, 0.2-0.4 MiB at the destroy (kernel objects of its namespaces, freed within ~50 ms;
+sometimes up to 1.4 MiB of page cache it was the first to read)."""
 _RECYCLING = ".recycle"  # the sibling a recycled cgroup's processes wait in
 _CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
 POOL_PREFIX = "_pool."
@@ -476,24 +488,83 @@ class Cgroups:
         """v1: rename the pre-made cgroup ``pooled`` to ``name`` in every hierarchy it is
         in (rename(2) among siblings; cgroup2 refuses it, EPERM). On an error the
         hierarchies renamed so far are renamed back, and the error is raised."""
+        self._rename(pooled, _check_name(name), latency, devices)
+
+    def _rename(self, old: str, new: str, latency: bool, devices: bool) -> None:
         top = self.latency_root if latency else self.subtree
-        _check_name(name)
         done: list[Path] = []
         try:
             for root in self._hierarchies(devices):
                 # Safe: two names below corral's own top cgroup; the target must not exist
                 # (kernfs refuses to replace one: EEXIST).
-                os.rename(root / top / pooled, root / top / name)
+                os.rename(root / top / old, root / top / new)
                 done.append(root / top)
         except OSError as e:
             for d in reversed(done):
                 with contextlib.suppress(OSError):
-                    os.rename(d / name, d / pooled)
-            raise HostError(
-                f"cgroups: renaming {pooled} to {name}: {errtext(e.errno or 0)}"
-            ) from None
-        self._latency.pop(pooled, None)
-        self._latency[name] = latency
+                    os.rename(d / new, d / old)
+            raise HostError(f"cgroups: renaming {old} to {new}: {errtext(e.errno or 0)}") from None
+        self._latency.pop(old, None)
+        self._latency[new] = latency
+
+    def reuse_as(
+        self,
+        name: str,
+        pooled: str,
+        *,
+        cpus: float,
+        memory: int,
+        pids: int,
+        swap: int | None,
+        latency: bool,
+        devices: Sequence[str] | None,
+        slack: int = REUSE_SLACK,
+    ) -> str | None:
+        """v1: make the cgroup of the destroyed sandbox ``name`` the pre-made cgroup
+        ``pooled`` (:class:`CgroupPool`), as :meth:`create_pooled` would have made it with
+        these limits, instead of removing it. Returns None once it is renamed, else why it
+        is not reusable: it then keeps its name for the caller to :meth:`remove`.
+
+        Only a cgroup a new sandbox could not tell from a new one is reused: no task left
+        in any hierarchy, thawed, no OOM kill and no refused fork (counters the kernel
+        cannot reset), and at most ``slack`` bytes still charged to it (kernel objects the
+        sandbox's namespaces free a moment after its end; a larger charge is page cache
+        that would count against the next sandbox). The counters that can be reset are
+        (memory peak and fail counts, CPU time), and the limits are written again, as a
+        pause or an fncall call may have changed them. Removing a v1 memory cgroup
+        costs the kernel a walk over every superblock on the host (its offline reparents
+        one list per superblock), a walk that grows with the live count; reuse skips it
+        and the next create's mkdir."""
+        if self.mode == "v2":
+            return "cgroup2 cannot rename a cgroup"
+        if not pooled.startswith(POOL_PREFIX):
+            raise HostError(f"cgroups: {pooled!r} is not a pool name")
+        for root in self._hierarchies(devices is not None):
+            top = self.latency_root if latency else self.subtree
+            if self._read(f"{root}/{top}/{_check_name(name)}/cgroup.procs").strip():
+                return "tasks left"
+        if self.oom_kills(name) or self.pids_refused(name):
+            return "an OOM kill or a refused fork counted"
+        if self._read(self._file("freezer", name, "freezer.state")).strip() != "THAWED":
+            return "not thawed"
+        charged = int(self._read(self._file("memory", name, "memory.usage_in_bytes")))
+        if charged > slack:
+            return f"{charged} bytes still charged"
+        mem = self._dir("memory", name)
+        for f in _RESET_V1:
+            if f == "cpuacct.usage":
+                self._write(self._dir("cpuacct", name) / f, "0")
+            elif (mem / f).exists():
+                self._write(mem / f, "0")
+        self._set_memory(name, memory, swap, fresh=False)
+        self._write(self._dir("pids", name) / "pids.max", str(pids))
+        quota = str(max(1000, int(cpus * _CFS_PERIOD))) if cpus > 0 else "-1"
+        cpu = self._dir("cpu", name)
+        if self._read(cpu / "cpu.cfs_quota_us").strip() != quota:  # a write walks the host
+            self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
+            self._write(cpu / "cpu.cfs_quota_us", quota)
+        self._rename(name, pooled, latency, devices is not None)
+        return None
 
     def _own(self) -> list[str]:
         """v1: the controllers a sandbox made by :meth:`create` has a cgroup of its own in
@@ -937,6 +1008,13 @@ class CgroupPool:
     tops the pools up once no create has come for ``quiet`` seconds (so its mkdirs do not
     meet a burst's under the cgroup mutex), one cgroup at a time.
 
+    A destroyed sandbox's cgroup comes back (:meth:`give_back`) when nothing in it tells
+    it from a new one (:meth:`Cgroups.reuse_as`): the next create of its limits takes it,
+    and neither pays the kernel's memory-cgroup removal, whose cost grows with the live
+    count. Cgroups beyond ``size`` per limits are removed by the same thread once the
+    node is quiet, one at a time; until then the node holds at most what its sandboxes
+    held.
+
     Example::
 
         pool = CgroupPool(cg, size=16)
@@ -968,6 +1046,10 @@ class CgroupPool:
         """Creates that got a pre-made cgroup (for tests and benches)."""
         self.made = 0
         """Cgroups the filler made."""
+        self.returned = 0
+        """Destroyed sandboxes' cgroups kept for a later create (:meth:`give_back`)."""
+        self._limits: dict[str, _PoolKey] = {}
+        """sandbox -> the limits its cgroup was made with by :meth:`create`."""
 
     @staticmethod
     def key(
@@ -1037,13 +1119,58 @@ class CgroupPool:
                 else:
                     with self._cond:
                         self.taken += 1
+                        self._limits[name] = key
                     return True
         self.cgroups.create(
             name, cpus=cpus, memory=memory, pids=pids, swap=swap, latency=latency, devices=devices
         )
         if key is not None:
             self._want(key)
+            with self._cond:
+                self._limits[name] = key
         return False
+
+    def give_back(self, name: str) -> bool:
+        """After a destroy (every task gone): keep the cgroup of sandbox ``name`` for a
+        later create of its limits, renamed to a pool name. False if it is not kept (not
+        made by this pool's :meth:`create`, its limits no longer pooled, or not reusable:
+        see :meth:`Cgroups.reuse_as`); the caller then removes it."""
+        with self._cond:
+            key = self._limits.pop(name, None)
+            if key is None or self._thread is None or self._stop or key not in self._ready:
+                return False
+            pooled = f"{POOL_PREFIX}{os.getpid()}.{next(self._seq)}"
+        latency, cpus, memory, swap, pids, devices = key
+        try:
+            why = self.cgroups.reuse_as(
+                name,
+                pooled,
+                cpus=cpus,
+                memory=memory,
+                pids=pids,
+                swap=swap,
+                latency=latency,
+                devices=devices,
+            )
+        except HostError as e:
+            why = e.message
+        if why is not None:
+            log.debug("cgroup pool: %s not kept: %s", name, why)
+            return False
+        with self._cond:
+            self.returned += 1
+            self._last = time.monotonic()
+            if self._stop or key not in self._ready:
+                self._evicted.append((key, [pooled]))
+            else:
+                self._ready[key].append(pooled)
+            self._cond.notify_all()
+        return True
+
+    def forget(self, name: str) -> None:
+        """Sandbox ``name``'s cgroup is being removed, not given back."""
+        with self._cond:
+            self._limits.pop(name, None)
 
     def _take(self, key: _PoolKey) -> str | None:
         with self._cond:
@@ -1074,13 +1201,20 @@ class CgroupPool:
             return {k: len(v) for k, v in self._ready.items()}
 
     def wait_full(self, timeout: float) -> bool:
-        """Wait until every pool holds ``size`` cgroups (and evicted ones are gone); False
-        after ``timeout`` seconds. A readiness signal for tests and benches."""
+        """Wait until every pool holds ``size`` cgroups (and evicted or surplus ones are
+        gone); False after ``timeout`` seconds. A readiness signal for tests and benches."""
         with self._cond:
             return self._cond.wait_for(self._full, timeout)
 
     def _full(self) -> bool:
-        return not self._evicted and all(len(v) >= self.size for v in self._ready.values())
+        return not self._evicted and all(len(v) == self.size for v in self._ready.values())
+
+    def _work(self) -> bool:
+        """Something for the filler: cgroups to remove (evicted limits, a pool beyond
+        ``size``), or, unless the last make failed, a pool to top up."""
+        if self._evicted or any(len(v) > self.size for v in self._ready.values()):
+            return True
+        return not self._failed and not self._full()
 
     def _fill(self) -> None:
         # Below everything else on the host: this work is off any create's path.
@@ -1088,7 +1222,7 @@ class CgroupPool:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cond:
-                while not self._stop and (self._failed or self._full()):
+                while not self._stop and not self._work():
                     self._cond.wait()
                 if self._stop:
                     return
@@ -1096,9 +1230,12 @@ class CgroupPool:
                 if idle < self.quiet:
                     self._cond.wait(self.quiet - idle)
                     continue
+                over = next((k for k, v in self._ready.items() if len(v) > self.size), None)
                 if self._evicted:
                     key, names = self._evicted.pop()
                     make = None
+                elif over is not None:  # the oldest first: creates take the newest
+                    key, names, make = over, [self._ready[over].pop(0)], None
                 else:
                     key = next(k for k, v in self._ready.items() if len(v) < self.size)
                     names, make = [], f"{POOL_PREFIX}{os.getpid()}.{next(self._seq)}"
@@ -1106,6 +1243,8 @@ class CgroupPool:
                 if make is None:
                     for n in names:
                         self.cgroups.remove(n)
+                    with self._cond:
+                        self._cond.notify_all()  # wait_full: a pool may be at its size now
                     continue
                 latency, cpus, memory, swap, pids, devices = key
                 self.cgroups.create_pooled(
