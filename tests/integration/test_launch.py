@@ -793,7 +793,9 @@ async def test_a_destroyed_sandboxs_cgroup_is_reused_only_when_clean(images_read
                 r = await sh(n, first, "python3 -c 'b = bytearray(48 << 20); print(len(b))'")
                 assert r.exit_code == 0, r
                 assert cg.memory_usage(first)[0] < (48 << 20)  # its memory went with it
-                peak = int(cg.control_file("memory", first, "memory.max_usage_in_bytes").read_text())
+                peak = int(
+                    cg.control_file("memory", first, "memory.max_usage_in_bytes").read_text()
+                )
                 assert peak > (48 << 20) and cg.cpu_seconds(first) > 0
                 cg.set_memory(first, 80 << 20, 0)  # as a pause or an fncall call may
                 used = inodes(first)
