@@ -55,7 +55,7 @@ def test_create_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     # status; after the warm-up settled the pool, the creates take from it.
     if "cgroup_pool" in out:
         pool = out["cgroup_pool"]
-        assert set(pool) == {"size", "taken"} and pool["size"] > 0, pool
+        assert set(pool) == {"size", "taken", "returned"} and pool["size"] > 0, pool
         assert isinstance(pool["taken"], int) and 0 < pool["taken"] <= 3, pool
 
 
@@ -77,6 +77,12 @@ def test_scale_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert all(w["cpu_loop_ms"] > 0 for w in out["windows"])
     assert out["create_errors"] == 0 and out["destroy_errors"] == 0
     assert out["leftovers"] == 0, out.get("leftover_detail")
+    # What the destroys handed on: the pool settling (removing cgroups beyond its size).
+    after = out["after_destroy"]
+    assert after["settle_s"] >= 0 and after["machine_busy_ms_per_destroy"] > 0, after
+    assert after["machine_busy_ms_per_destroy_settling"] >= 0, after
+    pool = after["cgroup_pool"]
+    assert pool is None or set(pool) == {"size", "taken", "returned"}, pool
     # The spans tools/profile_scale.py cuts its samples by, in order.
     spans = [out["exec_empty_mono_s"]]
     for w in out["windows"]:

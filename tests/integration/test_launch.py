@@ -783,6 +783,7 @@ async def test_a_destroyed_sandboxs_cgroup_is_reused_only_when_clean(images_read
         if cg.mode == "v2":
             pytest.skip("v1 and hybrid only")
         limits = Limits(cpus=0.5, memory=96 << 20, pids=40)
+        pool = n.backends.get("container").launcher.pool  # type: ignore[union-attr]
         async with sandbox(n, image=DEBIAN, limits=limits) as fresh:
             # The image's pages are charged to the first cgroup that reads them: this one's.
             # (A destroyed sandbox that still holds more than REUSE_SLACK is not reused.)
@@ -800,7 +801,8 @@ async def test_a_destroyed_sandboxs_cgroup_is_reused_only_when_clean(images_read
                 cg.set_memory(first, 80 << 20, 0)  # as a pause or an fncall call may
                 used = inodes(first)
                 before = await returned()
-            assert await returned() == before + 1 and first not in cg.list()
+            assert await returned() == before + 1, pool.last_refusal
+            assert first not in cg.list()
             async with sandbox(n, image=DEBIAN, limits=limits) as second:
                 assert inodes(second) == used  # the same kernel cgroups, renamed
                 assert _limit_files(cg, second) == want
@@ -810,12 +812,13 @@ async def test_a_destroyed_sandboxs_cgroup_is_reused_only_when_clean(images_read
                 assert cg.cpu_seconds(second) < 1.0 and cg.oom_kills(second) == 0
                 assert cg.pids_refused(second) == 0
                 assert (await sh(n, second, "echo ok")).stdout == b"ok\n"
-            assert await returned() == before + 2
+            assert await returned() == before + 2, pool.last_refusal
             async with sandbox(n, image=DEBIAN, limits=limits) as killed:
                 r = await sh(n, killed, "python3 -c 'b = bytearray(256 << 20)'")
                 assert r.exit_code != 0 and cg.oom_kills(killed) >= 1
                 gone = inodes(killed)
             assert await returned() == before + 2  # not kept: removed
+            assert pool.last_refusal is not None and "OOM kill" in pool.last_refusal
             assert not set(gone.values()) & {
                 os.stat(cg.control_file(c, p, "cgroup.procs")).st_ino
                 for p in cg.pooled()

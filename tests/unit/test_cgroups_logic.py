@@ -1329,3 +1329,93 @@ def test_pool_bad_sizes(make_kernel: KernelFactory) -> None:
     cg = open_cg(make_kernel("v1"), "mountinfo")
     with pytest.raises(HostError, match="size and keys"):
         cgmod.CgroupPool(cg, size=0)
+
+
+# -- CgroupPool.give_back: the pool's bookkeeping, against a stand-in for Cgroups ----------
+
+
+class _PoolHost:
+    """What CgroupPool calls on Cgroups, recorded; ``reuse_as`` can be held at a gate."""
+
+    mode = "v1"
+
+    def __init__(self) -> None:
+        self.on_disk: set[str] = set()
+        self.removed: list[str] = []
+        self.reusable: str | None = None
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def pooled(self) -> list[str]:
+        return sorted(n for n in self.on_disk if n.startswith(cgmod.POOL_PREFIX))
+
+    def remove(self, name: str, timeout: float = 1.0) -> None:
+        self.on_disk.discard(name)
+        self.removed.append(name)
+
+    def create(self, name: str, **limits: Any) -> None:
+        self.on_disk.add(name)
+
+    create_pooled = create
+
+    def rename_pooled(self, pooled: str, name: str, latency: bool, devices: bool) -> None:
+        self.on_disk.discard(pooled)
+        self.on_disk.add(name)
+
+    def reuse_as(self, name: str, pooled: str, **limits: Any) -> str | None:
+        self.entered.set()
+        self.gate.wait(10)
+        if self.reusable is not None:
+            return self.reusable
+        self.on_disk.discard(name)
+        self.on_disk.add(pooled)
+        return None
+
+
+_LIMITS: dict[str, Any] = dict(cpus=1.0, memory=64 << 20, pids=16)
+
+
+def test_a_given_back_cgroup_is_taken_next_and_the_surplus_trimmed() -> None:
+    """give_back keeps a destroyed sandbox's cgroup for its limits' pool; the pool trims
+    back to its size; a cgroup the pool did not make, or one reuse_as refuses, is not
+    kept (the caller removes it)."""
+    host = _PoolHost()
+    pool = cgmod.CgroupPool(host, size=1, quiet=0.0)  # type: ignore[arg-type]
+    pool.start()
+    try:
+        assert pool.create("sb-a", **_LIMITS) is False  # made: these limits get a pool
+        assert pool.wait_full(10)
+        assert pool.create("sb-b", **_LIMITS) is True  # the pre-made one
+        assert pool.wait_full(10)  # refilled
+        assert pool.give_back("sb-a") is True and pool.returned == 1
+        assert pool.wait_full(10)  # two for a size of one: the older one goes
+        assert len(host.pooled()) == 1 and len(host.removed) == 1
+        assert pool.create("sb-c", **_LIMITS) is True
+        assert pool.give_back("sb-unknown") is False  # not made by this pool: not kept
+        host.reusable = "an OOM kill or a refused fork counted"
+        assert pool.give_back("sb-c") is False and pool.returned == 1
+        assert pool.give_back("sb-c") is False  # asked once only: its limits are forgotten
+    finally:
+        pool.close()
+    assert host.pooled() == []
+
+
+def test_a_give_back_that_meets_close_removes_its_cgroup() -> None:
+    """close() lists the pool and removes it; a give_back renaming meanwhile must not leave
+    its cgroup behind under a pool name."""
+    host = _PoolHost()
+    pool = cgmod.CgroupPool(host, size=1, quiet=0.0)  # type: ignore[arg-type]
+    pool.start()
+    pool.create("sb-a", **_LIMITS)
+    assert pool.wait_full(10)
+    host.gate.clear()
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(pool.give_back("sb-a")))
+    t.start()
+    assert host.entered.wait(10)
+    pool.close()  # while the give_back is inside reuse_as
+    host.gate.set()
+    t.join(10)
+    assert result == [True]
+    assert host.pooled() == [] and "sb-a" not in host.on_disk

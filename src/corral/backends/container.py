@@ -964,10 +964,10 @@ class ContainerBackend:
             except Exception as e:  # keep going: a half-destroyed sandbox is worse
                 errors.append(f"{what}: {e}")
 
-        if await self.kill_all(sandbox_id):
-            # Every process is gone: remove the cgroup and the runtime's record directly,
-            # saving a runtime process per destroy.
-            await step("cgroup", lambda: self._remove_cgroup_off_loop(sandbox_id))
+        gone = await self.kill_all(sandbox_id)
+        if gone:
+            # Every process is gone: remove the runtime's record directly, saving a runtime
+            # process per destroy; the cgroup goes after the files (below).
             await step("runtime state", lambda: self.runtime.forget_stopped(sandbox_id))
         else:
             await step("runtime delete", lambda: self.runtime.delete(sandbox_id, force=True))
@@ -991,6 +991,11 @@ class ContainerBackend:
         # the filesystem (~1 ms wall, a fraction of it CPU), and the event loop serves the
         # other requests meanwhile (destroys at a concurrency were serialised on it).
         errors.extend(await in_thread(self._remove_files, sandbox_id))
+        if gone:
+            # After the writable layer: the page cache of its files, charged to the
+            # sandbox's memory cgroup, went with it, and a cgroup the pool may take back
+            # holds only what the sandbox really left (CgroupPool.give_back).
+            await step("cgroup", lambda: self._remove_cgroup_off_loop(sandbox_id))
         if image is not None:
             for digest in image.layers:
                 await step(f"layer {digest[:19]}", functools.partial(self.layers.release, digest))

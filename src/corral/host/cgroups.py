@@ -77,9 +77,11 @@ _RESET_V1 = (
 )
 """Counters of a v1 sandbox cgroup that a write of 0 resets (:meth:`Cgroups.reuse_as`)."""
 REUSE_SLACK = 1 << 20
-"""Bytes a destroyed sandbox's memory cgroup may still be charged and be reused: measured
-here, 0.2-0.4 MiB at the destroy (kernel objects of its namespaces, freed within ~50 ms;
-sometimes up to 1.4 MiB of page cache it was the first to read)."""
+"""Bytes of pages (page cache, anonymous, swap) a destroyed sandbox's memory cgroup may
+still be charged and be reused; kernel objects included, four times that. Measured here
+after a destroy (the writable layer deleted): 0-0.6 MiB of page cache (files of the image
+this cgroup was the first to read), 0.3-0.6 MiB of kernel objects, most freed within
+~100 ms; a cgroup reused a hundred times in a row held 1.2-1.6 MiB of them."""
 _RECYCLING = ".recycle"  # the sibling a recycled cgroup's processes wait in
 _CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
 POOL_PREFIX = "_pool."
@@ -527,9 +529,11 @@ class Cgroups:
 
         Only a cgroup a new sandbox could not tell from a new one is reused: no task left
         in any hierarchy, thawed, no OOM kill and no refused fork (counters the kernel
-        cannot reset), and at most ``slack`` bytes still charged to it (kernel objects the
-        sandbox's namespaces free a moment after its end; a larger charge is page cache
-        that would count against the next sandbox). The counters that can be reset are
+        cannot reset), and at most ``slack`` bytes of pages still charged to it (page cache
+        of the image it was the first to read would count against the next sandbox), four
+        times that with kernel objects (most of them the sandbox's, freed a moment after
+        its end; the rest dentries and inodes of shared filesystems, which the kernel's
+        shrinkers reclaim from this cgroup as from any). The counters that can be reset are
         (memory peak and fail counts, CPU time), and the limits are written again, as a
         pause or an fncall call may have changed them. Removing a v1 memory cgroup
         costs the kernel a walk over every superblock on the host (its offline reparents
@@ -547,8 +551,12 @@ class Cgroups:
             return "an OOM kill or a refused fork counted"
         if self._read(self._file("freezer", name, "freezer.state")).strip() != "THAWED":
             return "not thawed"
+        stat = self._read(self._file("memory", name, "memory.stat"))
+        pages = sum(self._keyed(stat, k) for k in ("total_cache", "total_rss", "total_swap"))
+        if pages > slack:
+            return f"{pages} bytes of pages still charged"
         charged = int(self._read(self._file("memory", name, "memory.usage_in_bytes")))
-        if charged > slack:
+        if charged > 4 * slack:
             return f"{charged} bytes still charged"
         mem = self._dir("memory", name)
         for f in _RESET_V1:
@@ -1048,6 +1056,8 @@ class CgroupPool:
         """Cgroups the filler made."""
         self.returned = 0
         """Destroyed sandboxes' cgroups kept for a later create (:meth:`give_back`)."""
+        self.last_refusal: str | None = None
+        """Why the last cgroup :meth:`give_back` looked at was not kept (for tests)."""
         self._limits: dict[str, _PoolKey] = {}
         """sandbox -> the limits its cgroup was made with by :meth:`create`."""
 
@@ -1156,15 +1166,20 @@ class CgroupPool:
             why = e.message
         if why is not None:
             log.debug("cgroup pool: %s not kept: %s", name, why)
+            self.last_refusal = f"{name}: {why}"
             return False
         with self._cond:
             self.returned += 1
             self._last = time.monotonic()
-            if self._stop or key not in self._ready:
-                self._evicted.append((key, [pooled]))
-            else:
+            closing = self._stop
+            if not closing and key in self._ready:
                 self._ready[key].append(pooled)
+            elif not closing:  # its limits were evicted meanwhile: the filler removes it
+                self._evicted.append((key, [pooled]))
             self._cond.notify_all()
+        if closing:  # close() may have listed the pool before this rename: remove it here
+            with contextlib.suppress(HostError):
+                self.cgroups.remove(pooled)
         return True
 
     def forget(self, name: str) -> None:
