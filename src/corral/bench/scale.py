@@ -11,7 +11,7 @@ for leftovers, like ``bench density``.
 A destroy may leave the sandbox's cgroups to the node's pool of pre-made ones (v1: see
 ``CgroupPool.give_back``), which removes those beyond its size once the node is quiet.
 That removal is work the destroys handed on, so it is timed too: ``after_destroy`` has
-the seconds until the node settled, with the machine's busy CPU (all cores, kernel
+the seconds until the pool settled, with the machine's busy CPU (all cores, kernel
 threads included) during the destroys and after them, per destroy.
 
 ``exec_p50_ms_empty`` is measured with one sandbox alive before the first window,

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from corral.errors import HostError
 from corral.host._sys import errtext, read_small
@@ -73,9 +73,9 @@ _RESET_V1 = (
     "memory.failcnt",
     "memory.memsw.max_usage_in_bytes",
     "memory.memsw.failcnt",
-    "cpuacct.usage",
 )
-"""Counters of a v1 sandbox cgroup that a write of 0 resets (:meth:`Cgroups.reuse_as`)."""
+"""Counters of a v1 memory cgroup that a write of 0 resets (:meth:`Cgroups.reuse_as`; the
+memsw ones exist with swap accounting); cpuacct.usage is reset the same way."""
 REUSE_SLACK = 1 << 20
 """Bytes of pages (page cache, anonymous, swap) a destroyed sandbox's memory cgroup may
 still be charged and be reused; kernel objects included, four times that. Measured here
@@ -84,6 +84,13 @@ this cgroup was the first to read), 0.3-0.6 MiB of kernel objects, most freed wi
 ~100 ms; a cgroup reused a hundred times in a row held 1.2-1.6 MiB of them."""
 _RECYCLING = ".recycle"  # the sibling a recycled cgroup's processes wait in
 _CFS_PERIOD = 100_000  # µs; the kernel's default period (a new v1 cgroup starts with it)
+
+
+def _quota_us(cpus: float) -> int:
+    """The CFS quota per period for ``cpus`` (> 0) CPUs; the kernel's floor is 1 ms."""
+    return max(1000, int(cpus * _CFS_PERIOD))
+
+
 POOL_PREFIX = "_pool."
 """Name prefix of the node's pre-made cgroups (:class:`CgroupPool`): no sandbox id starts
 with ``_`` (``sb-...``), :meth:`Cgroups.create` refuses it, and :meth:`Cgroups.list` (gc,
@@ -543,9 +550,10 @@ class Cgroups:
             return "cgroup2 cannot rename a cgroup"
         if not pooled.startswith(POOL_PREFIX):
             raise HostError(f"cgroups: {pooled!r} is not a pool name")
+        top = self.latency_root if latency else self.subtree
+        leaf = f"{top}/{_check_name(name)}/cgroup.procs"
         for root in self._hierarchies(devices is not None):
-            top = self.latency_root if latency else self.subtree
-            if self._read(f"{root}/{top}/{_check_name(name)}/cgroup.procs").strip():
+            if self._read(f"{root}/{leaf}").strip():
                 return "tasks left"
         if self.oom_kills(name) or self.pids_refused(name):
             return "an OOM kill or a refused fork counted"
@@ -560,13 +568,12 @@ class Cgroups:
             return f"{charged} bytes still charged"
         mem = self._dir("memory", name)
         for f in _RESET_V1:
-            if f == "cpuacct.usage":
-                self._write(self._dir("cpuacct", name) / f, "0")
-            elif (mem / f).exists():
+            if (mem / f).exists():
                 self._write(mem / f, "0")
+        self._write(self._dir("cpuacct", name) / "cpuacct.usage", "0")
         self._set_memory(name, memory, swap, fresh=False)
         self._write(self._dir("pids", name) / "pids.max", str(pids))
-        quota = str(max(1000, int(cpus * _CFS_PERIOD))) if cpus > 0 else "-1"
+        quota = str(_quota_us(cpus)) if cpus > 0 else "-1"
         cpu = self._dir("cpu", name)
         if self._read(cpu / "cpu.cfs_quota_us").strip() != quota:  # a write walks the host
             self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
@@ -597,7 +604,7 @@ class Cgroups:
             # every cpu cgroup on the host (tg_set_cfs_bandwidth -> __cfs_schedulable).
             if not fresh:
                 self._write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD))
-            self._write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * _CFS_PERIOD))))
+            self._write(cpu / "cpu.cfs_quota_us", str(_quota_us(cpus)))
         else:
             # The cgroup may exist already (create again): drop an old quota.
             self._write(cpu / "cpu.cfs_quota_us", "-1")
@@ -614,7 +621,7 @@ class Cgroups:
         except FileExistsError:
             pass
         if cpus > 0:
-            self._write(d / "cpu.max", f"{max(1000, int(cpus * _CFS_PERIOD))} {_CFS_PERIOD}")
+            self._write(d / "cpu.max", f"{_quota_us(cpus)} {_CFS_PERIOD}")
         elif (d / "cpu.max").exists():
             # The cgroup may exist already (create again): drop an old quota.
             self._write(d / "cpu.max", f"max {_CFS_PERIOD}")
@@ -1072,6 +1079,14 @@ class CgroupPool:
     ) -> _PoolKey:
         return (latency, cpus, memory, swap, pids, None if devices is None else tuple(devices))
 
+    @staticmethod
+    def _limits_of(key: _PoolKey) -> dict[str, Any]:
+        """:meth:`key`'s tuple as the keyword arguments of :meth:`Cgroups.create`."""
+        latency, cpus, memory, swap, pids, devices = key
+        return dict(
+            cpus=cpus, memory=memory, pids=pids, swap=swap, latency=latency, devices=devices
+        )
+
     def start(self) -> None:
         """Remove pre-made cgroups a crashed node left, and start the filler."""
         if not self.enabled or self._thread is not None:
@@ -1150,18 +1165,8 @@ class CgroupPool:
             if key is None or self._thread is None or self._stop or key not in self._ready:
                 return False
             pooled = f"{POOL_PREFIX}{os.getpid()}.{next(self._seq)}"
-        latency, cpus, memory, swap, pids, devices = key
         try:
-            why = self.cgroups.reuse_as(
-                name,
-                pooled,
-                cpus=cpus,
-                memory=memory,
-                pids=pids,
-                swap=swap,
-                latency=latency,
-                devices=devices,
-            )
+            why = self.cgroups.reuse_as(name, pooled, **self._limits_of(key))
         except HostError as e:
             why = e.message
         if why is not None:
@@ -1261,16 +1266,7 @@ class CgroupPool:
                     with self._cond:
                         self._cond.notify_all()  # wait_full: a pool may be at its size now
                     continue
-                latency, cpus, memory, swap, pids, devices = key
-                self.cgroups.create_pooled(
-                    make,
-                    cpus=cpus,
-                    memory=memory,
-                    pids=pids,
-                    swap=swap,
-                    latency=latency,
-                    devices=devices,
-                )
+                self.cgroups.create_pooled(make, **self._limits_of(key))
             except HostError as e:
                 # Creates make their own meanwhile; the next try is after the next create.
                 log.warning("cgroup pool: %s", e.message)
