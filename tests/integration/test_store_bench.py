@@ -3,6 +3,7 @@ own MooseFS (bench/dfs.py), and the last stdout line has the keys issue 16 names
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -66,6 +67,25 @@ def test_ondemand_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert all(a < b for a, b in spans) and spans == sorted(spans)
     # Set-up recorded hot-block profiles (a task reads a small part of each layer).
     assert out["layer_prefetch"] is True and out["profiled_layers"] >= 1
+    # No --store-cores: everything may run on every core.
+    allowed = sorted(os.sched_getaffinity(0))
+    assert out["store_cores"] == 0 and out["node_cpus"] is None
+    assert all(out["breakdown"][m]["sandbox_cpus"] == allowed for m in out["modes"])
+
+
+def test_ondemand_store_cores_keep_the_servers_off_the_nodes_cores(bench) -> None:  # type: ignore[no-untyped-def]
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 or more usable cores")
+    out = bench("ondemand", "--sandboxes", "2", "--images", "1", "--image-mib", "4",
+                "--store-cores", "1")  # fmt: skip
+    node = allowed[:-1]
+    assert out["store_cores"] == 1 and out["node_cpus"] == node
+    # As the kernel had them after set-up: servers and the link's pump on the last core,
+    # the FUSE client (the node's) on the node's.
+    assert out["store_affinity"] == {"servers": allowed[-1:], "link": allowed[-1:], "client": node}
+    for m in ("ondemand", "eager", "cached"):  # every mode's sandboxes on the node's cores
+        assert out["breakdown"][m]["sandbox_cpus"] == node, m
 
 
 def test_workspace_json_shape(bench) -> None:  # type: ignore[no-untyped-def]

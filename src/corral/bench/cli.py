@@ -280,15 +280,31 @@ def ondemand_cmd(
             "as `corral image build dir` makes them).",
         ),
     ] = "random",
+    store_cores: Annotated[
+        int,
+        typer.Option(
+            "--store-cores",
+            min=0,
+            help="Cores of this machine for the store's servers and link alone, as if they "
+            "were other machines: the last N; the node, its FUSE client and its sandboxes "
+            "run on the rest. 0 (the default): everything shares every core.",
+        ),
+    ] = 0,
 ) -> Scenario:
     """Burst on a cold node from a network store (MooseFS behind a shaped link): layers
     on demand vs an eager copy to local disk vs layers already local."""
+    from corral.bench import cores
     from corral.bench.ondemand import CONTENTS, ondemand
 
     if content not in CONTENTS:  # before the set-up starts a store
         raise typer.BadParameter(
             f"{content!r} is not one of {', '.join(CONTENTS)}", param_hint="--content"
         )
+    if store_cores:
+        try:
+            cores.split(store_cores)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--store-cores") from None
 
     return ondemand(
         opts,
@@ -301,6 +317,7 @@ def ondemand_cmd(
         delay_ms=delay_ms,
         prefetch=prefetch,
         content=content,
+        store_cores=store_cores,
     )
 
 

@@ -40,6 +40,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.bench import cores
 from corral.host import cbuild
 
 __all__ = ["DelayLine"]
@@ -92,6 +93,8 @@ class DelayLine:
     delay_ms: float
     helper_dir: Path = HELPER_DIR
     """Where the pump is built (once per source version)."""
+    cpus: frozenset[int] | None = None
+    """Cores the pump runs on (None: any), e.g. the store's own (bench/cores.py)."""
     _pump: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def up(self, timeout: float = 30.0) -> None:
@@ -112,8 +115,9 @@ class DelayLine:
                 _ip(*pre, "addr", "add", ip, "peer", peer, "dev", dev)
                 _ip(*pre, "link", "set", dev, "mtu", str(_MTU), "up")
             _ip("-n", self.ns, "link", "set", "lo", "up")
+            argv = [str(exe), *map(str, fds), str(round(self.delay_ms * 1000))]
             self._pump = subprocess.Popen(
-                [str(exe), *map(str, fds), str(round(self.delay_ms * 1000))],
+                argv if self.cpus is None else cores.taskset(self.cpus, argv),
                 pass_fds=fds,
                 stdout=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,

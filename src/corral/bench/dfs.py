@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psutil
 
+from corral.bench import cores
 from corral.bench.delayline import DelayLine
 from corral.bench.netns_host import NetnsHost, wait_port
 from corral.host import pagecache
@@ -83,7 +84,11 @@ class MooseStore:
     30 MiB over the link by default, 3.1 MiB with 64 KiB; ``mfsreadaheadsize=0`` means
     "default", not "off".
 
-    ``delay_ms``: latency added each way (0: a plain veth)."""
+    ``delay_ms``: latency added each way (0: a plain veth).
+
+    ``server_cpus``: cores the servers and the delay line's pump run on (None: any), as
+    if they were other machines (bench/cores.py). The client, mfsmount, is the node's:
+    it runs wherever the process that mounts runs."""
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class MooseStore:
         rate_mbit: int = 1000,
         readahead_kib: int | None = None,
         delay_ms: float = 0.0,
+        server_cpus: frozenset[int] | None = None,
     ) -> None:
         if not 0 <= subnet <= 255:
             raise ValueError(f"subnet {subnet} must be 0..255 (10.252.<subnet>.0/24)")
@@ -108,6 +114,7 @@ class MooseStore:
             ip=f"10.252.{subnet}.2",
         )
         self.delay_ms = delay_ms
+        self.server_cpus = server_cpus
         self._line: DelayLine | None = None
         self._procs: list[subprocess.Popen[bytes]] = []  # master, chunkserver, mount
 
@@ -153,7 +160,9 @@ class MooseStore:
         if self.delay_ms > 0:
             subprocess.run(["ip", "netns", "add", self.host.ns], check=True, capture_output=True)
             h = self.host
-            self._line = DelayLine(h.veth, h.ns, h.host_ip, h.ip, self.delay_ms)
+            self._line = DelayLine(
+                h.veth, h.ns, h.host_ip, h.ip, self.delay_ms, cpus=self.server_cpus
+            )
             self._line.up()
         else:
             self.host.up()
@@ -167,6 +176,8 @@ class MooseStore:
         self.mount(timeout)
 
     def _spawn_in_ns(self, argv: list[str], log: str) -> None:
+        if self.server_cpus is not None:
+            argv = cores.taskset(self.server_cpus, argv)
         with open(self.workdir / f"{log}.log", "wb") as out:
             self._procs.append(
                 subprocess.Popen(
@@ -240,6 +251,26 @@ class MooseStore:
             "link": _cpu_seconds(pump) if pump is not None else 0.0,
             "client": sum(_cpu_seconds(pid) for pid in procs[2:]),
         }
+
+    def affinity(self) -> dict[str, list[int]]:
+        """The cores each of the store's processes may run on now (its main thread's):
+        ``servers`` (master and chunkserver, the union), ``link`` and ``client``; a
+        process that has ended is left out."""
+        pump = self._line.pump_pid if self._line is not None else None
+        groups = {
+            "servers": [p.pid for p in self._procs[:2]],
+            "link": [pump] if pump is not None else [],
+            "client": [p.pid for p in self._procs[2:]],
+        }
+        out: dict[str, list[int]] = {}
+        for name, pids in groups.items():
+            seen: set[int] = set()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    seen |= os.sched_getaffinity(pid)
+            if seen:
+                out[name] = sorted(seen)
+        return out
 
     def drop_server_cache(self) -> None:
         """Evict the chunkserver's chunk files from the page cache (this machine's, which

@@ -39,6 +39,7 @@ per /proc/diskstats, after a sync: includes whatever else the machine writes mea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.bench import dfs
+from corral.bench import cores, dfs
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.bench.stats import machine_busy_s
 from corral.errors import SandboxError
@@ -79,6 +80,8 @@ print(acc)
 
 
 # ---------------------------------------------------------------------- measuring
+
+_AFFINITY = "import os; print(*sorted(os.sched_getaffinity(0)))"
 
 
 def _device(path: Path) -> tuple[int, int]:
@@ -174,7 +177,11 @@ def breakdown(
 
 
 def open_dfs(
-    opts: BenchOptions, link_mbit: int, readahead_kib: int | None, delay_ms: float = 0.0
+    opts: BenchOptions,
+    link_mbit: int,
+    readahead_kib: int | None,
+    delay_ms: float = 0.0,
+    server_cpus: frozenset[int] | None = None,
 ) -> dfs.MooseStore:
     why = dfs.available()
     if why:
@@ -189,11 +196,13 @@ def open_dfs(
         rate_mbit=link_mbit,
         readahead_kib=readahead_kib,
         delay_ms=delay_ms,
+        server_cpus=server_cpus,
     )
     ra = "client default" if readahead_kib is None else f"{readahead_kib} KiB"
+    on = "" if server_cpus is None else f", servers on core(s) {cores.cpu_list(server_cpus)}"
     say(
-        f"starting MooseFS (link {link_mbit} Mbit/s, +{delay_ms} ms each way, read-ahead {ra})"
-        f" at {fs.mountpoint}"
+        f"starting MooseFS (link {link_mbit} Mbit/s, +{delay_ms} ms each way, read-ahead {ra}"
+        f"{on}) at {fs.mountpoint}"
     )
     fs.start()
     return fs
@@ -420,6 +429,7 @@ async def run_burst(
                 c1 = machine_busy_s(), link.cpu_seconds() if link else None
                 t_end = time.monotonic()
                 stats = await client.stats()
+                seen = await sbs[0].exec(["python3", "-c", _AFFINITY], timeout=60)
             finally:
                 # Also on failure: a node keeps its sandboxes when it closes.
                 await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
@@ -436,6 +446,8 @@ async def run_burst(
     # CLOCK_MONOTONIC of the burst (as cpu_s counts it): a system-wide profiler's samples
     # (`perf record -k CLOCK_MONOTONIC`) are cut to one mode by it.
     parts["mono_s"] = [round(t0, 3), round(t_end, 3)]
+    # The cores a sandbox could run on (with --store-cores: the node's only).
+    parts["sandbox_cpus"] = [int(c) for c in seen.stdout.split()]
     return Figures(max(ready), max(done), writes / MIB, reads / MIB, parts)
 
 
@@ -454,12 +466,50 @@ async def ondemand(
     delay_ms: float = 0.0,
     prefetch: bool = True,
     content: str = "random",
+    store_cores: int = 0,
+) -> dict[str, Any]:
+    """The scenario. ``store_cores``: 0, the store's servers and link share every core
+    with the node (a one-machine test bed); N, they get the last N cores and the node
+    (this process, its FUSE client, its sandboxes) the rest, as if the store were other
+    machines (bench/cores.py). Every mode runs under the same split."""
+    split = cores.split(store_cores) if store_cores else None
+    with cores.pinned(split[0]) if split else contextlib.nullcontext():
+        return await _ondemand(
+            opts,
+            sandboxes,
+            images,
+            image_mib,
+            link_mbit,
+            concurrency,
+            readahead_kib,
+            delay_ms=delay_ms,
+            prefetch=prefetch,
+            content=content,
+            split=split,
+        )
+
+
+async def _ondemand(
+    opts: BenchOptions,
+    sandboxes: int,
+    images: int,
+    image_mib: int,
+    link_mbit: int,
+    concurrency: int,
+    readahead_kib: int | None,
+    *,
+    delay_ms: float,
+    prefetch: bool,
+    content: str,
+    split: tuple[frozenset[int], frozenset[int]] | None,
 ) -> dict[str, Any]:
     from corral.bench.fncall import _ensure_python_image
 
     base_name = await asyncio.to_thread(_ensure_python_image, opts)
     base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(open_dfs, opts, link_mbit, readahead_kib, delay_ms)
+    fs = await asyncio.to_thread(
+        open_dfs, opts, link_mbit, readahead_kib, delay_ms, split[1] if split else None
+    )
     gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
     try:
         store = LayerStore(fs.mountpoint / "store", timeout=120)
@@ -506,6 +556,11 @@ async def ondemand(
             "layer_prefetch": prefetch,
             "profiled_layers": profiled if prefetch else 0,
             "concurrency": concurrency,
+            "store_cores": len(split[1]) if split else 0,
+            # Where each side may run: the node's cores (None: all) and the store's
+            # processes' as read from the kernel after set-up.
+            "node_cpus": sorted(split[0]) if split else None,
+            "store_affinity": fs.affinity(),
             "machine": machine(),
             "modes": {},
         }
