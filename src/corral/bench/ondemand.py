@@ -474,123 +474,96 @@ async def ondemand(
     machines (bench/cores.py). Every mode runs under the same split."""
     split = cores.split(store_cores) if store_cores else None
     with cores.pinned(split[0]) if split else contextlib.nullcontext():
-        return await _ondemand(
-            opts,
-            sandboxes,
-            images,
-            image_mib,
-            link_mbit,
-            concurrency,
-            readahead_kib,
-            delay_ms=delay_ms,
-            prefetch=prefetch,
-            content=content,
-            split=split,
+        from corral.bench.fncall import _ensure_python_image
+
+        base_name = await asyncio.to_thread(_ensure_python_image, opts)
+        base = LayerStore(opts.store_dir).image(base_name)
+        fs = await asyncio.to_thread(
+            open_dfs, opts, link_mbit, readahead_kib, delay_ms, split[1] if split else None
         )
-
-
-async def _ondemand(
-    opts: BenchOptions,
-    sandboxes: int,
-    images: int,
-    image_mib: int,
-    link_mbit: int,
-    concurrency: int,
-    readahead_kib: int | None,
-    *,
-    delay_ms: float,
-    prefetch: bool,
-    content: str,
-    split: tuple[frozenset[int], frozenset[int]] | None,
-) -> dict[str, Any]:
-    from corral.bench.fncall import _ensure_python_image
-
-    base_name = await asyncio.to_thread(_ensure_python_image, opts)
-    base = LayerStore(opts.store_dir).image(base_name)
-    fs = await asyncio.to_thread(
-        open_dfs, opts, link_mbit, readahead_kib, delay_ms, split[1] if split else None
-    )
-    gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
-    try:
-        store = LayerStore(fs.mountpoint / "store", timeout=120)
-        local = LayerStore(opts.store_dir)
-        for d in base.layers:
-            await asyncio.to_thread(store.add_file, local.path_of(d), kind="base", source=base_name)
-        say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
-        names = await asyncio.to_thread(
-            publish_images, store, base.layers, images, image_mib, gen, content
-        )
-        task = ["python3", "-c", TASK]
-        layer_files = [store.path_of(li.digest) for li in store.layers()]
-        profiled = 0
-        if prefetch:
-            say("recording hot-block profiles: one sandbox per image on a node of its own")
-            await run_burst(
-                _mode_opts(opts, "profile", store.root),
-                eager=False,
-                images=names,
-                sandboxes=len(names),
-                concurrency=concurrency,
-                task=task,
-                link=fs,
-                drop=layer_files,
+        gen = opts.state_dir.with_name(opts.state_dir.name + "-gen")
+        try:
+            store = LayerStore(fs.mountpoint / "store", timeout=120)
+            local = LayerStore(opts.store_dir)
+            for d in base.layers:
+                await asyncio.to_thread(
+                    store.add_file, local.path_of(d), kind="base", source=base_name
+                )
+            say(f"publishing {images} images of ~{image_mib} MiB each into the network store")
+            names = await asyncio.to_thread(
+                publish_images, store, base.layers, images, image_mib, gen, content
             )
-            digests = [li.digest for li in store.layers()]
-            profiled = sum(store.hot_profile(d) is not None for d in digests)
-            say(f"hot-block profiles: {profiled} of {len(digests)} layers")
-        cached_dir = gen / "cached-store"
-        cached = await asyncio.to_thread(copy_store, store, cached_dir)
-        cached_files = [cached.path_of(li.digest) for li in cached.layers()]
-        out: dict[str, Any] = {
-            "scenario": "ondemand",
-            "sandboxes": sandboxes,
-            "images": images,
-            "image_mib": image_mib,
-            "content": content,
-            "image_bytes_mib": round(
-                sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
-            ),
-            "link_mbit": link_mbit,
-            "link_delay_ms": delay_ms,
-            "store_readahead_kib": readahead_kib,
-            "layer_prefetch": prefetch,
-            "profiled_layers": profiled if prefetch else 0,
-            "concurrency": concurrency,
-            "store_cores": len(split[1]) if split else 0,
-            # Where each side may run: the node's cores (None: all) and the store's
-            # processes' as read from the kernel after set-up.
-            "node_cpus": sorted(split[0]) if split else None,
-            "store_affinity": fs.affinity(),
-            "machine": machine(),
-            "modes": {},
-        }
-        runs = (
-            ("ondemand", False, store.root, layer_files),
-            ("eager", True, store.root, layer_files),
-            ("cached", False, cached.root, cached_files),
-        )
-        for mode, eager, root, drop in runs:
-            say(f"{mode}: {sandboxes} sandboxes over {images} images on a cold node")
-            fig = await run_burst(
-                _mode_opts(opts, mode, root),
-                eager=eager,
-                images=[n for n in names],
-                sandboxes=sandboxes,
-                concurrency=concurrency,
-                task=task,
-                link=fs,
-                drop=drop,
-                prefetch=prefetch,
+            task = ["python3", "-c", TASK]
+            layer_files = [store.path_of(li.digest) for li in store.layers()]
+            profiled = 0
+            if prefetch:
+                say("recording hot-block profiles: one sandbox per image on a node of its own")
+                await run_burst(
+                    _mode_opts(opts, "profile", store.root),
+                    eager=False,
+                    images=names,
+                    sandboxes=len(names),
+                    concurrency=concurrency,
+                    task=task,
+                    link=fs,
+                    drop=layer_files,
+                )
+                digests = [li.digest for li in store.layers()]
+                profiled = sum(store.hot_profile(d) is not None for d in digests)
+                say(f"hot-block profiles: {profiled} of {len(digests)} layers")
+            cached_dir = gen / "cached-store"
+            cached = await asyncio.to_thread(copy_store, store, cached_dir)
+            cached_files = [cached.path_of(li.digest) for li in cached.layers()]
+            out: dict[str, Any] = {
+                "scenario": "ondemand",
+                "sandboxes": sandboxes,
+                "images": images,
+                "image_mib": image_mib,
+                "content": content,
+                "image_bytes_mib": round(
+                    sum(store.layer(d).size for d in store.image(names[0]).layers) / MIB, 1
+                ),
+                "link_mbit": link_mbit,
+                "link_delay_ms": delay_ms,
+                "store_readahead_kib": readahead_kib,
+                "layer_prefetch": prefetch,
+                "profiled_layers": profiled if prefetch else 0,
+                "concurrency": concurrency,
+                "store_cores": len(split[1]) if split else 0,
+                # Where each side may run: the node's cores (None: all) and the store's
+                # processes' as read from the kernel after set-up.
+                "node_cpus": sorted(split[0]) if split else None,
+                "store_affinity": fs.affinity(),
+                "machine": machine(),
+                "modes": {},
+            }
+            runs = (
+                ("ondemand", False, store.root, layer_files),
+                ("eager", True, store.root, layer_files),
+                ("cached", False, cached.root, cached_files),
             )
-            out["modes"][mode] = fig.as_dict()
-            out.setdefault("breakdown", {})[mode] = fig.breakdown
-        m = out["modes"]
-        out["speedup_vs_eager"] = round(m["eager"]["done_s"] / m["ondemand"]["done_s"], 2)
-        out["writes_ratio_vs_eager"] = round(
-            m["ondemand"]["local_writes_mib"] / max(m["eager"]["local_writes_mib"], 0.001), 3
-        )
-        out["vs_cached"] = round(m["ondemand"]["done_s"] / m["cached"]["done_s"], 2)
-        return out
-    finally:
-        await asyncio.to_thread(shutil.rmtree, gen, True)
-        await asyncio.to_thread(fs.stop)
+            for mode, eager, root, drop in runs:
+                say(f"{mode}: {sandboxes} sandboxes over {images} images on a cold node")
+                fig = await run_burst(
+                    _mode_opts(opts, mode, root),
+                    eager=eager,
+                    images=[n for n in names],
+                    sandboxes=sandboxes,
+                    concurrency=concurrency,
+                    task=task,
+                    link=fs,
+                    drop=drop,
+                    prefetch=prefetch,
+                )
+                out["modes"][mode] = fig.as_dict()
+                out.setdefault("breakdown", {})[mode] = fig.breakdown
+            m = out["modes"]
+            out["speedup_vs_eager"] = round(m["eager"]["done_s"] / m["ondemand"]["done_s"], 2)
+            out["writes_ratio_vs_eager"] = round(
+                m["ondemand"]["local_writes_mib"] / max(m["eager"]["local_writes_mib"], 0.001), 3
+            )
+            out["vs_cached"] = round(m["ondemand"]["done_s"] / m["cached"]["done_s"], 2)
+            return out
+        finally:
+            await asyncio.to_thread(shutil.rmtree, gen, True)
+            await asyncio.to_thread(fs.stop)
