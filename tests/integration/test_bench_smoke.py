@@ -51,6 +51,12 @@ def test_create_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     assert out["docker"] is None
     # The CPU's speed before (the header's) and after the timed creates.
     assert out["machine"]["cpu_loop_ms"] > 0 and out["cpu_loop_ms_after"] > 0
+    # CPU per create: the node's, its reaped children's, and the whole machine's, which
+    # also holds the sandboxes' still-running processes; the ceiling follows from it.
+    cpu = out["cpu_ms_per_create"]
+    assert set(cpu) == {"node", "children", "machine"}, cpu
+    assert cpu["machine"] > 0 and cpu["node"] > 0, cpu
+    assert out["cpu_ceiling_per_s"] > 0
     # With corral's launcher on cgroup v1 or hybrid: its pre-made cgroups, from the node's
     # status; after the warm-up settled the pool, the creates take from it.
     if "cgroup_pool" in out:

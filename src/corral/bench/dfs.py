@@ -20,6 +20,11 @@ default sandbox subnet 10.213.0.0/16 and by the test hosts' 10.250/10.251) are t
 mount, the three processes (ended by their pids), the namespace and veth (their qdiscs go
 with them) and the data dir.
 
+A work dir belongs to one running store at a time (a lock file beside it, ``<workdir>.lock``,
+held from ``start`` to ``stop``): a second ``start`` on it is refused and touches nothing.
+Before that lock, a second run on the same state dir took the first run's store away,
+since ``start`` first removes what a crashed run left.
+
 Example::
 
     dfs = MooseStore(Path("/var/tmp/dfs-x"), name="x", subnet=7, rate_mbit=1000)
@@ -35,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -47,6 +53,7 @@ import psutil
 from corral.bench import cores
 from corral.bench.delayline import DelayLine
 from corral.bench.netns_host import NetnsHost, wait_port
+from corral.errors import Conflict
 from corral.host import pagecache
 
 __all__ = ["MooseStore", "available", "MASTER_PORT", "CHUNK_PORT"]
@@ -117,6 +124,8 @@ class MooseStore:
         self.server_cpus = server_cpus
         self._line: DelayLine | None = None
         self._procs: list[subprocess.Popen[bytes]] = []  # master, chunkserver, mount
+        self.lock_path = self.workdir.with_name(self.workdir.name + ".lock")
+        self._lock_fd: int | None = None
 
     @property
     def ip(self) -> str:
@@ -130,14 +139,55 @@ class MooseStore:
         why = available()
         if why:
             raise RuntimeError(why)
+        self._claim()
         try:
             self._start(timeout)
         except BaseException:
             self.stop()
             raise
 
+    def _claim(self) -> None:
+        """Own the work dir until :meth:`stop`: an exclusive lock on :attr:`lock_path`,
+        the owner's pid written in it. Refused (Conflict, naming that pid) while another
+        store object, in this process or another, owns it. A run that crashed held its lock
+        only as long as its process lived."""
+        if self._lock_fd is not None:
+            return
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise Conflict(
+                    f"the MooseFS store in {self.workdir} belongs to a run still going "
+                    f"(pid {owner}, lock {self.lock_path}): wait for it to end, or give this "
+                    "run another state dir; nothing of the running one was touched"
+                ) from None
+            try:
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its last owner removed that file meanwhile: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        """Give the work dir up: the lock file goes, then the lock (in that order, so a
+        starter that opened the old file finds it gone and takes the new one)."""
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.lock_path)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
     def _start(self, timeout: float) -> None:
-        self.stop()  # what a crashed run left
+        self._teardown()  # what a crashed run left
         w = self.workdir
         for d in ("master", "cs", "chunks", "mnt"):
             (w / d).mkdir(parents=True, exist_ok=True)
@@ -291,7 +341,17 @@ class MooseStore:
     # ------------------------------------------------------------------ stop
 
     def stop(self) -> None:
-        """Unmount, end the processes by pid, remove the namespace and the data dir."""
+        """Unmount, end the processes by pid, remove the namespace and the data dir; then
+        give the work dir up. Only its owner stops a store: an object whose :meth:`start`
+        was refused (another run owns the dir) stops nothing."""
+        if self._lock_fd is None:
+            return
+        try:
+            self._teardown()
+        finally:
+            self._release()
+
+    def _teardown(self) -> None:
         if self.mountpoint.exists() and self.is_mounted():
             r = subprocess.run(["umount", str(self.mountpoint)], capture_output=True, timeout=60)
             if r.returncode != 0:  # busy (a test left a file open): detach it
