@@ -71,6 +71,13 @@ def test_a_second_run_on_the_same_work_dir_is_refused_and_touches_nothing(
     second._release()
 
 
+def test_the_work_dirs_parent_is_made(tmp_path: Path) -> None:
+    s = MooseStore(tmp_path / "not" / "yet" / "dfs", name="lk")
+    s._claim()
+    assert s.lock_path == tmp_path / "not" / "yet" / "dfs.lock" and s.lock_path.exists()
+    s._release()
+
+
 def test_a_crashed_owners_lock_comes_free(tmp_path: Path) -> None:
     work = tmp_path / "bench-dfs"
     crashed = _claim_elsewhere(work)  # claims and exits without releasing

@@ -153,6 +153,7 @@ class MooseStore:
         only as long as its process lived."""
         if self._lock_fd is not None:
             return
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
