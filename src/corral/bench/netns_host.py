@@ -29,11 +29,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["NetnsHost", "wait_port"]
+from corral.errors import HostError
+from corral.host import mounts
+
+__all__ = ["NetnsHost", "RUN_NETNS", "release_run_netns", "wait_port"]
+
+RUN_NETNS = Path("/run/netns")
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def release_run_netns() -> None:
+    """Undo what the first ``ip netns add`` on a host does besides the namespace: make
+    /run/netns a shared bind mount of itself. Done only when no named namespace is left
+    in it (anyone's), so the host's mount table is as a fresh boot left it; the next
+    ``ip netns add`` makes the mount again. A mount with a namespace mounted in it is busy
+    and stays."""
+    for _ in range(4):  # ip makes one bind mount; a few more are someone else's and stay
+        if not mounts.is_mountpoint(RUN_NETNS) or any(RUN_NETNS.iterdir()):
+            return
+        try:
+            mounts.umount(RUN_NETNS)
+        except HostError:
+            return
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,7 @@ class NetnsHost:
         """Remove the link and the namespace, if they are there."""
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        release_run_netns()
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         """Run ``argv`` inside the namespace (output discarded); the caller ends it.
