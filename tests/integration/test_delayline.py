@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from corral.bench.delayline import DelayLine
-from corral.bench.netns_host import release_run_netns
+from corral.bench.netns_host import delete_netns
 
 pytestmark = pytest.mark.skipif(not Path("/dev/net/tun").exists(), reason="no /dev/net/tun")
 
@@ -41,8 +41,7 @@ def test_a_round_trip_pays_the_delay_both_ways_and_nothing_stays() -> None:
         assert line.pump_pid == pump.pid  # what the benches account the link's CPU by
     finally:
         line.down()
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-        release_run_netns()
+        delete_netns(NS)
     assert pump.poll() is not None
     assert line.pump_pid is None
     assert not Path(f"/sys/class/net/{DEV}").exists()
@@ -103,6 +102,5 @@ def test_a_bulk_transfer_arrives_whole_and_in_order() -> None:
             server.kill()
             server.wait()
         line.down()
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-        release_run_netns()
+        delete_netns(NS)
     assert not Path(f"/run/netns/{NS}").exists()

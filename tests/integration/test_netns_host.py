@@ -2,7 +2,7 @@
 
 The first ``ip netns add`` on a freshly booted host makes /run/netns a shared bind mount of
 itself, and ``ip netns del`` leaves that mount behind: CI on a fresh machine found it as the
-one thing the suite left on the host. :func:`release_run_netns` removes it once no named
+one thing the suite left on the host. :func:`release_run_netns` (which :func:`delete_netns` calls) removes it once no named
 namespace (anyone's) is left in it.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.bench.netns_host import RUN_NETNS, NetnsHost, release_run_netns
+from corral.bench.netns_host import RUN_NETNS, NetnsHost, delete_netns, release_run_netns
 from corral.host.mounts import is_mountpoint
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -38,8 +38,7 @@ def test_the_mount_stays_while_a_namespace_is_in_it_and_goes_with_the_last() -> 
         )
         assert out.returncode == 0, out.stderr  # the namespace still works
     finally:
-        subprocess.run(["ip", "netns", "del", name], check=True)
-        release_run_netns()
+        delete_netns(name, check=True)
     assert name not in _names()
     # gone when nothing else is in it; another test's or the host's namespaces keep it
     assert is_mountpoint(RUN_NETNS) == bool(_names())

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from corral.backends.oci import build_config, write_bundle
-from corral.bench.netns_host import release_run_netns
+from corral.bench.netns_host import delete_netns
 from corral.errors import InvalidRequest
 from corral.policy import seccomp
 from corral.policy.caps import GUEST_CAPS, cap_mask
@@ -862,8 +862,7 @@ def test_network_namespace(run: Run) -> None:
         # runtime's own tmpfs holding the cgroup mount points)
         assert out[2] == "0", r.stdout
     finally:
-        subprocess.run(["ip", "netns", "delete", name], check=True)
-        release_run_netns()
+        delete_netns(name, check=True)
 
 
 # --------------------------------------------------------- a Debian root and apt-get

@@ -32,7 +32,7 @@ from pathlib import Path
 from corral.errors import HostError
 from corral.host import mounts
 
-__all__ = ["NetnsHost", "RUN_NETNS", "release_run_netns", "wait_port"]
+__all__ = ["NetnsHost", "RUN_NETNS", "delete_netns", "release_run_netns", "wait_port"]
 
 RUN_NETNS = Path("/run/netns")
 
@@ -45,15 +45,17 @@ def release_run_netns() -> None:
     """Undo what the first ``ip netns add`` on a host does besides the namespace: make
     /run/netns a shared bind mount of itself. Done only when no named namespace is left
     in it (anyone's), so the host's mount table is as a fresh boot left it; the next
-    ``ip netns add`` makes the mount again. A mount with a namespace mounted in it is busy
-    and stays."""
-    for _ in range(4):  # ip makes one bind mount; a few more are someone else's and stay
-        if not mounts.is_mountpoint(RUN_NETNS) or any(RUN_NETNS.iterdir()):
-            return
-        try:
+    ``ip netns add`` makes the mount again."""
+    if mounts.is_mountpoint(RUN_NETNS) and not any(RUN_NETNS.iterdir()):
+        with contextlib.suppress(HostError):  # busy: a namespace was just mounted in it
             mounts.umount(RUN_NETNS)
-        except HostError:
-            return
+
+
+def delete_netns(name: str, check: bool = False) -> None:
+    """``ip netns del name`` (``check``: it must have been there), then
+    :func:`release_run_netns`."""
+    subprocess.run(["ip", "netns", "del", name], check=check, capture_output=True)
+    release_run_netns()
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,7 @@ class NetnsHost:
     def down(self) -> None:
         """Remove the link and the namespace, if they are there."""
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-        release_run_netns()
+        delete_netns(self.ns)
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         """Run ``argv`` inside the namespace (output discarded); the caller ends it.
