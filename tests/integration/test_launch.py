@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -235,8 +237,9 @@ async def test_mounts_show_no_host_path(rt_node) -> None:  # type: ignore[no-unt
 async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # type: ignore[no-untyped-def]
     """Launcher: the rootfs overlay is attached in the sandbox's own mount namespace only
     (the host's table, which every new mount namespace copies, does not grow per sandbox),
-    and that namespace holds nothing of the template it was copied from. The files API
-    reaches the root through the init (works, refuses the guest's own mounts)."""
+    and the guest's view of that namespace holds nothing of the template it was copied
+    from (what lies beneath the root: the next test). The files API reaches the root
+    through the init (works, refuses the guest's own mounts)."""
     backend = rt_node.backends.get("container")  # an OCI runtime is given a host path
     async with sandbox(rt_node) as sid:
         pid = backend.init_pid(sid)
@@ -262,6 +265,85 @@ async def test_rootfs_only_in_the_sandboxs_mount_namespace(rt_node) -> None:  # 
 
 def ln_fstype(line: str) -> str:
     return line.split(" - ")[1].split()[0]
+
+
+# Run by root on the host, with every capability: into the sandbox's mount namespace
+# (setns lands on the root stacked over the namespace's own) and a chroot escape from
+# there; then into the node's template namespace, of which the sandbox's is a copy, to see
+# what lies beneath a sandbox's root, as root and as the sandbox's owner uid.
+_BENEATH = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def setns(fd):
+    assert libc.setns(fd, 0x00020000) == 0, ctypes.get_errno()
+pid = sys.argv[1]
+owner = os.stat(f"/proc/{pid}").st_uid
+proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+sandbox, template = (os.open(p, os.O_RDONLY) for p in (f"/proc/{pid}/ns/mnt", sys.argv[2]))
+setns(sandbox)
+seen = {"guest": sorted(os.listdir("/"))}
+os.chroot("/dev")
+os.chdir("..")
+os.chroot(".")
+os.chdir("/")
+seen["escaped"] = sorted(os.listdir("/"))
+setns(template)
+with open(os.open("self/mountinfo", os.O_RDONLY, dir_fd=proc)) as f:
+    seen["mountinfo"] = f.read()
+seen["root"] = sorted(os.listdir("/"))
+seen["proc"] = sorted(os.listdir("/proc"))
+os.setgroups([])
+os.setresgid(owner, owner, owner)
+os.setresuid(owner, owner, owner)
+seen["proc_as_owner"] = sorted(os.listdir("/proc"))
+seen["self"] = os.getpid()
+print(json.dumps(seen))
+"""
+_SELF = ("self", "thread-self")
+
+
+@pytest.mark.parametrize("rt_node", ["launch"], indirect=True)
+async def test_beneath_the_root_is_nothing_the_guest_cannot_see(rt_node) -> None:  # type: ignore[no-untyped-def]
+    """Launcher: the root is the rootfs moved over the template's root and chrooted into
+    (step ``enter``, no pivot_root). Seen from the host, the sandbox's mount namespace
+    still holds the template beneath: its read-only tmpfs of empty directories, the
+    loopback-only sysfs no-network sandboxes bind as /sys, and a proc that lists pid
+    directories only (``subset=pid``), each only to its own uid (``hidepid=invisible``):
+    nothing the guest could not read already. The guest cannot get there (chroot and mount
+    calls are refused; the redteam suite), and its ``/..`` is its ``/``."""
+    backend = rt_node.backends.get("container")
+    async with sandbox(rt_node) as sid:
+        pid = backend.init_pid(sid)
+        template = f"/proc/{os.getpid()}/fd/{backend.runtime.template()}"
+        r = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _BENEATH, str(pid), template, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await r.communicate()
+        assert r.returncode == 0
+        seen = json.loads(out)
+        # `..` from the rootfs's mount reaches the template's root, which the rootfs is
+        # stacked on, and the walk follows the stack back up: even a chroot escape with
+        # every capability stays in the sandbox's root.
+        assert "bin" in seen["guest"] and seen["escaped"] == seen["guest"], seen
+        lines = [ln.split() for ln in seen["mountinfo"].splitlines()]
+        by_id = {f[0]: f for f in lines}
+        (bottom,) = [f for f in lines if f[1] not in by_id]  # the namespace's root mount
+        assert bottom[4] == "/" and bottom[-2] == "corral-template", bottom
+        assert "ro" in bottom[5].split(","), bottom
+        assert sorted(f[4] for f in lines if f is not bottom) == ["/proc", "/sys"], lines
+        assert all(f[1] == bottom[0] for f in lines if f is not bottom)
+        (procm,) = [f for f in lines if f[4] == "/proc"]
+        assert {"hidepid=invisible", "subset=pid"} <= set(procm[-1].split(",")), procm
+        assert seen["root"] == ["proc", "rootfs", "sys"]
+        assert not [e for e in seen["proc"] if not e.isdigit() and e not in _SELF], seen["proc"]
+        # The sandbox's owner uid there (what an escape would be) sees no process but its
+        # own (the helper itself, by then that uid): not the node's, not the host's.
+        theirs = [int(e) for e in seen["proc_as_owner"] if e.isdigit()]
+        assert theirs == [seen["self"]], theirs
+        # From inside: the root's parent is itself.
+        r3 = await sh(rt_node, sid, "stat -c %d:%i / /..")
+        here, parent = r3.stdout.decode().split()
+        assert here == parent, r3.stdout
 
 
 @pytest.mark.parametrize("rt_node", ["launch"], indirect=True)

@@ -109,6 +109,11 @@ def test_rootfs_by_fd_starts_from_the_template() -> None:
     assert "-t" in _opts(args)
     assert args[args.index("--") + 1] == "root\t-"
     assert "/srv/sb/rootfs" not in args
+    # Entered by move + chroot over the template's root, not pivot_root (whose walk of
+    # every host task grows with the live count); a host-path rootfs still pivots.
+    kinds = [s.split("\t")[0] for s in args[args.index("--") + 1 :]]
+    assert "enter" in kinds and "pivot" not in kinds
+    assert kinds[-1] == "enter"
 
 
 def test_no_network_sandbox_binds_the_templates_sysfs() -> None:

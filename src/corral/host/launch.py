@@ -309,7 +309,9 @@ def plan(
     steps += [_sep("mask", p) for p in linux.get("maskedPaths", [])]
     steps += [_sep("ro", p) for p in linux.get("readonlyPaths", [])]
     steps += cg_steps
-    steps.append("pivot")
+    # The template's copy: move + chroot (no pivot_root walk of every host task); a host
+    # path rootfs comes with the host's whole mount table, which pivot_root detaches.
+    steps.append("enter" if rootfs_fd else "pivot")
     if config["root"].get("readonly"):
         steps.append("roroot")
     if linux.get("rootfsPropagation", "private") != "private":

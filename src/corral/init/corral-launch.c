@@ -35,7 +35,8 @@
  *
  *   corral-launch -T DIR
  * makes the template mount namespace (a read-only tmpfs with fully visible proc and sysfs
- * mounts, which mounting a new proc or sysfs in a user namespace requires, and an empty
+ * mounts, which mounting a new proc or sysfs in a user namespace requires; the proc lists
+ * pid directories only, each to its own uid: hidepid=invisible,subset=pid; and an empty
  * `rootfs` directory; the sysfs is of a loopback-only network namespace of its own, lo
  * up, and no-network sandboxes bind it: step tbind), pivoted into with DIR as a scratch
  * mountpoint; says "READY" on fd 1 and waits for EOF on fd 0, while the node opens
@@ -57,8 +58,17 @@
  *   remount:DST:FLAGS       remount DST (a mount made before) with FLAGS
  *   cgns                    join the -k cgroups, then a new cgroup namespace (rooted at
  *                           the sandbox's cgroups in every hierarchy); before cgroup mounts
- *   pivot                   pivot_root into the rootfs
- *   roroot                  the root read-only (after pivot)
+ *   enter                   (-t) move the rootfs mount over the template's root and chroot
+ *                           into it: no pivot_root, whose walk of every task on the host
+ *                           grew each create with the live count. Nothing the guest could
+ *                           not see lies beneath (a read-only tmpfs of empty directories,
+ *                           the sysfs no-network sandboxes bind, a pid-only proc showing a
+ *                           uid its own processes), and no path leads there: `..` from the
+ *                           root's mount reaches the template's root, which the rootfs is
+ *                           stacked on, so the walk comes back up
+ *   pivot                   pivot_root into the rootfs (a host-path rootfs: the namespace
+ *                           is a copy of the host's, detached after the pivot)
+ *   roroot                  the root read-only (after enter or pivot)
  * Fields are separated by a tab, not ':' (shown above for reading).
  *
  * Reports on fd 4: "PID <host pid of the init>\n", or "ERR <step>: <error> (errno N)\n".
@@ -471,6 +481,25 @@ static void do_step(char *s)
 		}
 		if (unshare(CLONE_NEWCGROUP) < 0)
 			die("unshare(CLONE_NEWCGROUP)");
+	} else if (!strcmp(f[0], "enter") && n == 1) {
+		/* With -t: the rootfs mount moved over the template's root, then chroot into it.
+		 * No pivot_root, whose chroot_fs_refs walks every task on the host (O(live
+		 * sandboxes) per create); what stays beneath is the template's read-only tmpfs,
+		 * the sysfs every no-network sandbox binds anyway and a proc showing nothing but
+		 * our own processes (make_template). Reaching it needs chroot(2) or a mount call,
+		 * which the sandbox never can (seccomp; no CAP_SYS_CHROOT, CAP_SYS_ADMIN). */
+		if (!src_fd) {
+			errno = EINVAL;
+			die("enter needs -t");
+		}
+		if (mount(".", "/", NULL, MS_MOVE, NULL) < 0)
+			die("move the rootfs over the template's root");
+		if (chroot(".") < 0)
+			die("chroot");
+		if (chdir("/") < 0)
+			die("chdir /");
+		close(root_fd);
+		root_fd = -1;
 	} else if (!strcmp(f[0], "pivot") && n == 1) {
 		/* pivot_root(".", "."): the old root ends up on top; detaching it leaves only the
 		 * sandbox's mounts in this namespace. */
@@ -745,8 +774,11 @@ static int make_template(const char *dir)
 		die("mkdir");
 	/* Mounting proc or sysfs in a user namespace needs one already fully visible in the
 	 * mount namespace (fs/namespace.c, mount_too_revealing): these, with no flag set, so
-	 * no flag of theirs is locked against the sandbox's own mounts. */
-	if (mount("proc", "proc", "proc", 0, NULL) < 0)
+	 * no flag of theirs is locked against the sandbox's own mounts. Each sandbox's copy
+	 * keeps them beneath its root (step enter): this proc shows nothing but pid
+	 * directories, and to a uid only the processes it may ptrace (its own). The launcher
+	 * child resolves /proc/self/fd/N through it before its own proc is up. */
+	if (mount("proc", "proc", "proc", 0, "hidepid=invisible,subset=pid") < 0)
 		die("mount proc");
 	/* The sysfs of a network namespace of its own (loopback only, never up): bound
 	 * read-only by every no-network sandbox (step tbind) instead of a sysfs each, so it
