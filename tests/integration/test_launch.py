@@ -618,6 +618,7 @@ FAULTS = [
     "become root",
     "mounts",
     "cgns",
+    "enter",
     "cpu cgroups",
     "capabilities",
     "seccomp",
