@@ -2,7 +2,7 @@
 
 ``crun run`` costs ~30 ms of CPU per sandbox (a 300 KB dynamically linked program that
 parses, validates and generalises the config, forks twice, compiles seccomp); the kernel
-work a corral sandbox needs (namespaces, mounts, pivot_root, exec) costs a few ms.
+work a corral sandbox needs (namespaces, mounts, the root switch, exec) costs a few ms.
 :func:`plan` translates the config that :func:`corral.backends.oci.build_config` built,
 the one statement of a sandbox's security posture, into a flat list of steps; the small
 static program ``corral-launch`` (``corral/init/corral-launch.c``) executes them and execs

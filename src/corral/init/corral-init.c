@@ -848,7 +848,7 @@ static void __attribute__((noreturn)) child_main(const struct child_args *a)
  * The spawner lives only while guest processes do: it starts with the first command and
  * ends once PID 1 has had no child for SPAWNER_IDLE_NS (spawner_idle), which in a pid
  * namespace means no guest process is left at all (nothing joins it from outside). So an
- * idle sandbox is one task (pivot_root walks every task on the host at each create), and
+ * idle sandbox is one task (the host's walks over every task, such as pivot_root's, cost less), and
  * everything alive at the same time still shares one domain; a later command gets a fresh
  * one, which can reach nothing of the ended domain (nothing of it runs; scoping refuses
  * its sockets).
