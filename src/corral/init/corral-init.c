@@ -848,10 +848,10 @@ static void __attribute__((noreturn)) child_main(const struct child_args *a)
  * The spawner lives only while guest processes do: it starts with the first command and
  * ends once PID 1 has had no child for SPAWNER_IDLE_NS (spawner_idle), which in a pid
  * namespace means no guest process is left at all (nothing joins it from outside). So an
- * idle sandbox is one task (the host's walks over every task, such as pivot_root's, cost less), and
- * everything alive at the same time still shares one domain; a later command gets a fresh
- * one, which can reach nothing of the ended domain (nothing of it runs; scoping refuses
- * its sockets).
+ * idle sandbox is one task (what walks every task on the host, as pivot_root did at each
+ * create, walks fewer), and everything alive at the same time still shares one domain; a
+ * later command gets a fresh one, which can reach nothing of the ended domain (nothing of
+ * it runs; scoping refuses its sockets).
  * The spawner is a thread of the init process, so what it forks are the init's children:
  * the main thread waits for, signals and reaps them exactly as if it had forked them. Without landlock (old kernel,
  * seccomp) the main thread forks, as before. No filesystem access is handled: what

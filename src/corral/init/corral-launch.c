@@ -283,6 +283,15 @@ static void remount_bind(const char *p, unsigned long flags)
 		die("remount");
 }
 
+/* After enter or pivot: the rootfs is /; paths resolve from it, no longer through root_fd. */
+static void rooted(void)
+{
+	if (chdir("/") < 0)
+		die("chdir /");
+	close(root_fd);
+	root_fd = -1;
+}
+
 static void do_step(char *s)
 {
 	char *f[MAXV], p[64];
@@ -482,12 +491,7 @@ static void do_step(char *s)
 		if (unshare(CLONE_NEWCGROUP) < 0)
 			die("unshare(CLONE_NEWCGROUP)");
 	} else if (!strcmp(f[0], "enter") && n == 1) {
-		/* With -t: the rootfs mount moved over the template's root, then chroot into it.
-		 * No pivot_root, whose chroot_fs_refs walks every task on the host (O(live
-		 * sandboxes) per create); what stays beneath is the template's read-only tmpfs,
-		 * the sysfs every no-network sandbox binds anyway and a proc showing nothing but
-		 * our own processes (make_template). Reaching it needs chroot(2) or a mount call,
-		 * which the sandbox never can (seccomp; no CAP_SYS_CHROOT, CAP_SYS_ADMIN). */
+		/* Why this is as safe as the pivot: the header, step enter. */
 		if (!src_fd) {
 			errno = EINVAL;
 			die("enter needs -t");
@@ -496,10 +500,7 @@ static void do_step(char *s)
 			die("move the rootfs over the template's root");
 		if (chroot(".") < 0)
 			die("chroot");
-		if (chdir("/") < 0)
-			die("chdir /");
-		close(root_fd);
-		root_fd = -1;
+		rooted();
 	} else if (!strcmp(f[0], "pivot") && n == 1) {
 		/* pivot_root(".", "."): the old root ends up on top; detaching it leaves only the
 		 * sandbox's mounts in this namespace. */
@@ -507,10 +508,7 @@ static void do_step(char *s)
 			die("pivot_root");
 		if (umount2(".", MNT_DETACH) < 0)
 			die("detach the old root");
-		if (chdir("/") < 0)
-			die("chdir /");
-		close(root_fd);
-		root_fd = -1;
+		rooted();
 	} else if (!strcmp(f[0], "roroot") && n == 1) {
 		remount_bind("/", MS_RDONLY);
 	} else {
