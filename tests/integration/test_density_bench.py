@@ -84,6 +84,9 @@ def test_share_bench(bench) -> None:  # type: ignore[no-untyped-def]
     out = bench("share", "--count", "2")
     assert out["scenario"] == "share" and out["program"].startswith("python3")
     assert 0 < out["shared_mib"] < out["copied_mib"]  # the second sandbox shared the cache
+    first, second = out["shared"]["per_sandbox_mib"]
+    assert second < first, out["shared"]  # the first one read the shared pages in
+    assert out["shared"]["layer_file_cache_mib"] >= 0 and out["copied"]["layer_file_cache_mib"] >= 0
     assert out["ratio"] == round(out["shared_mib"] / out["copied_mib"], 3)
     # the copies are gone from the store again
     assert [i.name for i in LayerStore(STATE / "store").images()] == ["test/debian"]

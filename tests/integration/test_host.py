@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from corral.errors import HostError, LayerCorrupt
-from corral.host import loop, mounts
+from corral.errors import HostError, InvalidRequest, LayerCorrupt
+from corral.host import _sys, loop, mounts, pagecache
 from corral.host.btrfs import Scratch, qgroup_limit
 from corral.host.cgroups import Cgroups, detect_mode
 from corral.host.runtime import OCIRuntime
@@ -540,6 +540,83 @@ def test_layer_mounts_with_hot_blocks_count_like_without(root: Path) -> None:
         assert hot.drain(30)
     finally:
         for m in mounts.mounts_under(root):
+            mounts.umount(m)
+
+
+def _mount_options(point: Path) -> set[str]:
+    """The superblock options of the mount at ``point`` (mountinfo's last field)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        if f[4] == str(point):
+            return set(f[f.index("-") + 3].split(","))
+    raise AssertionError(f"{point} is not mounted")
+
+
+def _cached_bytes(path: Path) -> int:
+    from corral.images.hotblocks import resident
+
+    return sum(n for _, n in resident(path)[1])
+
+
+def test_layer_mounts_with_direct_io_cache_a_layer_once(root: Path) -> None:
+    """``direct_io``: a layer mounted with direct I/O reads its files' data past the layer
+    file's page cache (reading them leaves only the metadata of the file cached; the same
+    reads through a buffered mount cache the data a second time), gets no hot-block profile, and ``auto`` picks
+    direct I/O for a file on a local disk filesystem and buffered reads on tmpfs."""
+    from corral.images.hotblocks import HotBlocks
+    from corral.images.mounts import LOCAL_DISK_FS
+
+    body = os.urandom(1 << 19).hex()  # 1 MiB of text: several MiB-sized reads' worth
+    image = make_layer(root, "d", {"etc/big": body})
+    with open(image, "rb") as f:
+        os.fsync(f.fileno())  # as a store's layer file is: clean, so it can be evicted
+    digest = "sha256:" + "d" * 64
+    recorded: list[str] = []
+
+    class Store:
+        def hot_profile(self, d: str) -> bytes | None:
+            return None
+
+        def save_hot_profile(self, d: str, data: bytes, *, replace: bool = False) -> None:
+            pass
+
+    def layers(name: str, mode: str, file: Path) -> LayerMounts:
+        hot = HotBlocks(Store())
+        real_record = hot.record
+        hot.record = lambda d, p: (recorded.append(d), real_record(d, p))  # type: ignore[method-assign]
+        return LayerMounts(
+            root / name, lambda d: file, lambda d: None, None, hot=hot, direct_io=mode
+        )
+
+    tmpfs = root / "tmpfs"
+    tmpfs.mkdir()
+    mounts.mount_tmpfs(tmpfs, 16 << 20)
+    try:
+        assert _sys.fs_type(image) in LOCAL_DISK_FS, "the test's tmp dir is on a local disk"
+        for mode, direct in (("on", True), ("off", False), ("auto", True)):
+            lm = layers(mode, mode, image)
+            pagecache.evict(image)
+            p = lm.acquire(digest)
+            assert ("directio" in _mount_options(root / mode / "raw" / ("d" * 64))) is direct, mode
+            assert (p / "etc" / "big").read_text() == body
+            # Direct: only metadata goes through the file's page cache (here the first
+            # page: superblock, inodes, the directory), the data does not.
+            cached, size = _cached_bytes(image), image.stat().st_size
+            assert cached <= 16 << 10 if direct else cached >= size // 2, (mode, cached, size)
+            lm.release(digest)
+            assert recorded == ([] if direct else [digest]), mode
+            recorded.clear()
+            assert lm.mounted() == {} and not mounts.is_mountpoint(p)
+        on_tmpfs = tmpfs / "d.erofs"
+        shutil.copyfile(image, on_tmpfs)
+        lm = layers("auto-tmpfs", "auto", on_tmpfs)
+        lm.acquire(digest)
+        assert "directio" not in _mount_options(root / "auto-tmpfs" / "raw" / ("d" * 64))
+        lm.release(digest, record=False)
+        with pytest.raises(InvalidRequest, match="direct_io 'yes'"):
+            LayerMounts(root / "bad", lambda d: image, lambda d: None, None, direct_io="yes")
+    finally:
+        for m in reversed(mounts.mounts_under(root)):
             mounts.umount(m)
 
 

@@ -186,6 +186,8 @@ class HostContext:
     """Prefetch and record layers' hot blocks (images/hotblocks.py)."""
     layer_linger: float = 0.0
     """Seconds an unused layer stays mounted (images/mounts.py, ``linger``)."""
+    layer_direct_io: str = "auto"
+    """Mount layers with direct I/O: ``auto``, ``on``, ``off`` (images/mounts.py)."""
 
 
 T = TypeVar("T")

@@ -165,6 +165,7 @@ class ContainerBackend:
                 hot=HotBlocks(ctx.store) if ctx.layer_prefetch else None,
                 linger=ctx.layer_linger,
                 lingered=self._lingered,
+                direct_io=ctx.layer_direct_io,
             )
             # Each sandbox's user namespace is owned by a host uid of its own (host/owners.py).
             self.owners = OwnerUids(self._owner_first, self.config.owner_uids)

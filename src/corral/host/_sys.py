@@ -25,6 +25,7 @@ __all__ = [
     "fsconfig",
     "fsmount",
     "unshare",
+    "fs_type",
     "errtext",
     "read_small",
     "MS_RDONLY",
@@ -162,6 +163,13 @@ def mount(
         libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), data),
         "mount",
     )
+
+
+def fs_type(path: str | os.PathLike[str]) -> int:
+    """statfs ``f_type`` of the filesystem holding ``path`` (OSError if it cannot be read)."""
+    buf = ctypes.create_string_buffer(120)  # struct statfs; f_type is its first word
+    check(libc.statfs(_b(path), buf), f"statfs {os.fsdecode(path)}")
+    return int.from_bytes(buf.raw[:8], "little")
 
 
 def umount2(target: str | os.PathLike[str], flags: int) -> None:

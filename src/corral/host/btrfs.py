@@ -184,10 +184,10 @@ class Scratch:
         self._fsid = self._read_fsid()
 
     def _is_btrfs(self) -> bool:
-        buf = ctypes.create_string_buffer(120)
-        if _sys.libc.statfs(os.fsencode(self.mountpoint), buf) != 0:
+        try:
+            return _sys.fs_type(self.mountpoint) == _BTRFS_MAGIC
+        except OSError:
             return False
-        return int.from_bytes(buf.raw[:8], "little") == _BTRFS_MAGIC
 
     def _format_if_new(self) -> None:
         if self.image.exists():

@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from corral.errors import HostError
-from corral.host import cbuild, mounts, spawnd
+from corral.host import _sys, cbuild, mounts, spawnd
 from corral.host._aio import reap
 from corral.host._sys import read_small
 from corral.host.cgroups import CgroupPool, Cgroups
-from corral.host.runtime import _TMPFS_MAGIC, _fs_type
+from corral.host.runtime import _TMPFS_MAGIC
 from corral.host.seccomp_bpf import compile_profile, filter_flags
 from corral.policy.caps import cap_mask
 
@@ -415,7 +415,7 @@ class Launcher:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The records on a tmpfs of their own where root is on a disk filesystem (this VM's
         # /run: ext4, ~0.3-0.6 ms per new file under churn), as OCIRuntime does for --root.
-        if root_tmpfs and _fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
+        if root_tmpfs and _sys.fs_type(root) != _TMPFS_MAGIC and not any(root.iterdir()):
             try:
                 mounts.mount_tmpfs(root, size=_RECORDS_TMPFS_SIZE, mode=0o700)
             except HostError as e:  # only slower without it
@@ -505,7 +505,7 @@ class Launcher:
         with contextlib.suppress(OSError, HostError):
             if (
                 mounts.is_mountpoint(self.root)
-                and _fs_type(self.root) == _TMPFS_MAGIC
+                and _sys.fs_type(self.root) == _TMPFS_MAGIC
                 and not any(self.root.iterdir())
             ):
                 mounts.umount(self.root)

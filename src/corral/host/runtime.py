@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -160,7 +159,11 @@ class OCIRuntime:
         if self._root_ready:
             return
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.root_tmpfs and _fs_type(self.root) != _TMPFS_MAGIC and not any(self.root.iterdir()):
+        if (
+            self.root_tmpfs
+            and _sys.fs_type(self.root) != _TMPFS_MAGIC
+            and not any(self.root.iterdir())
+        ):
             try:
                 mounts.mount_tmpfs(self.root, size=_ROOT_TMPFS_SIZE, mode=0o700)
             except HostError as e:  # only slower without it
@@ -173,7 +176,7 @@ class OCIRuntime:
         with contextlib.suppress(OSError):
             if (
                 mounts.is_mountpoint(self.root)
-                and _fs_type(self.root) == _TMPFS_MAGIC
+                and _sys.fs_type(self.root) == _TMPFS_MAGIC
                 and not any(self.root.iterdir())
             ):
                 mounts.umount(self.root)
@@ -419,15 +422,6 @@ _CLONE_NEWNS = 0x00020000
 _TMPFS_MAGIC = 0x01021994
 _ROOT_TMPFS_SIZE = 1 << 30
 """A cap, not an allocation: ~20 KiB of runtime state per container."""
-
-
-def _fs_type(path: Path) -> int:
-    """statfs f_type of the filesystem holding ``path``."""
-    buf = ctypes.create_string_buffer(120)
-    if _sys.libc.statfs(os.fsencode(path), buf) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), str(path))
-    return int.from_bytes(buf.raw[:8], "little")
 
 
 def _ensure_fd3_open() -> None:

@@ -96,6 +96,12 @@ class NodeConfig(BaseModel):
     once). A create from an image whose layers linger skips their verification (a read of
     the whole layer file, over the network on a shared store) and mount; meanwhile the
     node's lease on the store keeps ``corral image gc`` off them."""
+    layer_direct_io: Literal["auto", "on", "off"] = "auto"
+    """Mount layer files with direct I/O (EROFS ``directio``), so that what sandboxes read
+    is cached once, as the EROFS files' pages, not a second time as the layer file's own.
+    ``auto``: when the layer file is on a local disk filesystem (ext4, XFS, btrfs, f2fs);
+    a network store (FUSE, NFS, ...) stays buffered, as hot-block prefetch and the client's
+    read-ahead work in that page cache. Such layers are not prefetched or profiled."""
     swap: SwapConfig = Field(default_factory=SwapConfig)
     """Swap for paused sandboxes, e.g. ``[node.swap] kind = "file"``, ``size = "8GiB"``."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)

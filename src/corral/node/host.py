@@ -110,6 +110,7 @@ async def open_host(
         eager_layers=cfg.eager_layers,
         layer_prefetch=cfg.layer_prefetch,
         layer_linger=cfg.layer_linger,
+        layer_direct_io=cfg.layer_direct_io,
     )
     made = [make_backend(b, ctx, cfg) for b in cfg.backends] if parts is None else parts[0](ctx)
     for backend in made:
