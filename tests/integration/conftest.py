@@ -68,6 +68,15 @@ async def close_swap_node(node: Node, swap_file: Path, subtree: str) -> None:
     shutil.rmtree(node.config.state_dir)
 
 
+def mount_options(point: Path) -> set[str]:
+    """The superblock options of the mount at ``point`` (mountinfo's last field)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        if f[4] == str(point):
+            return set(f[f.index("-") + 3].split(","))
+    raise AssertionError(f"{point} is not mounted")
+
+
 def run_bench(
     *args: str, state: Path, run: Path, subtree: str, store: Path | None, image: str, timeout: float
 ) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from corral.host.cgroups import Cgroups, detect_mode
 from corral.host.runtime import OCIRuntime
 from corral.host.userns import UserNamespace
 from corral.images.mounts import LayerMounts
+from tests.integration.conftest import mount_options
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -543,15 +544,6 @@ def test_layer_mounts_with_hot_blocks_count_like_without(root: Path) -> None:
             mounts.umount(m)
 
 
-def _mount_options(point: Path) -> set[str]:
-    """The superblock options of the mount at ``point`` (mountinfo's last field)."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        f = line.split()
-        if f[4] == str(point):
-            return set(f[f.index("-") + 3].split(","))
-    raise AssertionError(f"{point} is not mounted")
-
-
 def _cached_bytes(path: Path) -> int:
     from corral.images.hotblocks import resident
 
@@ -597,7 +589,7 @@ def test_layer_mounts_with_direct_io_cache_a_layer_once(root: Path) -> None:
             lm = layers(mode, mode, image)
             pagecache.evict(image)
             p = lm.acquire(digest)
-            assert ("directio" in _mount_options(root / mode / "raw" / ("d" * 64))) is direct, mode
+            assert ("directio" in mount_options(root / mode / "raw" / ("d" * 64))) is direct, mode
             assert (p / "etc" / "big").read_text() == body
             # Direct: only metadata goes through the file's page cache (here the first
             # page: superblock, inodes, the directory), the data does not.
@@ -611,7 +603,7 @@ def test_layer_mounts_with_direct_io_cache_a_layer_once(root: Path) -> None:
         shutil.copyfile(image, on_tmpfs)
         lm = layers("auto-tmpfs", "auto", on_tmpfs)
         lm.acquire(digest)
-        assert "directio" not in _mount_options(root / "auto-tmpfs" / "raw" / ("d" * 64))
+        assert "directio" not in mount_options(root / "auto-tmpfs" / "raw" / ("d" * 64))
         lm.release(digest, record=False)
         with pytest.raises(InvalidRequest, match="direct_io 'yes'"):
             LayerMounts(root / "bad", lambda d: image, lambda d: None, None, direct_io="yes")

@@ -31,7 +31,7 @@ from corral.images.store import LayerStore
 from corral.node import Node
 from corral.spec import ExecRequest, SandboxSpec
 from tests.conftest import TAG, TEST_STORE
-from tests.integration.conftest import assert_no_leaks, node_config, open_node
+from tests.integration.conftest import assert_no_leaks, mount_options, node_config, open_node
 
 WORK = Path(f"/var/tmp/corral-test{TAG}-dfs")
 NAME = f"t{TAG.lstrip('-')}"[:8]
@@ -116,6 +116,10 @@ async def test_two_nodes_create_from_the_shared_store(nodes, moose) -> None:  # 
         # The layers came over the link (each node verifies and reads them once).
         assert moose.link_bytes()[1] - got0 > 4 << 20
         layer = a.store.image(APP).layers[-1]
+        # A layer file on the network store is mounted buffered (layer_direct_io "auto"):
+        # hot-block prefetch and the client's read-ahead work in its page cache.
+        for node in (a, b):
+            assert "directio" not in mount_options(node.backend.layers.raw_root / layer[7:])
         holders = Leases.holders_of(a.store.root, layer)
         assert holders == sorted(f"node-{n.node_id}" for n in (a, b))
     finally:

@@ -1,5 +1,5 @@
-"""``corral bench ondemand`` and ``workspace`` end to end at tiny sizes: each starts its
-own MooseFS (bench/dfs.py), and the last stdout line has the keys issue 16 names."""
+"""``corral bench ondemand``, ``workspace`` and ``metasplit`` end to end at tiny sizes: each
+starts its own MooseFS (bench/dfs.py), and the last stdout line has the keys issue 16 names."""
 
 from __future__ import annotations
 
@@ -94,3 +94,22 @@ def test_workspace_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     for side in ("layer", "tar"):
         assert out[side]["done_s"] > 0 and out[side]["writes_mib"] >= 0
     assert out["speedup"] > 0 and out["writes_ratio"] > 0
+
+
+def test_metasplit_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
+    from corral.bench.metasplit import VARIANTS, WORKLOADS
+
+    out = bench("metasplit", "--files", "300", "--trials", "2")
+    assert out["scenario"] == "metasplit" and out["files"] == 300
+    assert set(out["variants"]) == set(VARIANTS)
+    for v in out["variants"].values():
+        for w in WORKLOADS:
+            assert v[f"{w}_ms_p50"] > 0 and len(v[f"{w}_ms"]) == 2 and v[f"{w}_link_mib"] >= 0
+    # The split's metadata is on local disk: a stat walk reads nothing over the link,
+    # while the whole layer's walk reads its inodes (and what shares their blocks) there.
+    assert out["variants"]["split"]["stat_link_mib"] < 0.05
+    assert out["variants"]["whole"]["stat_link_mib"] > 0
+    sizes = out["sizes_mib"]
+    assert 0 < sizes["split_meta_local"] < sizes["whole"] and sizes["split_blob"] > 0
+    for k in ("stat_speedup_split", "read_speedup_split", "stat_speedup_noinline"):
+        assert out[k] > 0, k

@@ -17,6 +17,7 @@ Example::
     corral bench cluster --nodes 3 --count 300 --json
     corral bench ondemand --sandboxes 64 --images 8 --json
     corral bench workspace --sandboxes 64 --json
+    corral bench metasplit --files 20000 --json
     corral bench neighbours --seconds 6 --json
 """
 
@@ -223,6 +224,9 @@ def placement_cmd(
     _run(lambda: placement(nodes, sandboxes, capacity, placers, report_every, k), as_json)
 
 
+_LinkMbit = Annotated[
+    int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
+]
 _Readahead = Annotated[
     int,
     typer.Option(
@@ -257,9 +261,7 @@ def ondemand_cmd(
     image_mib: Annotated[
         int, typer.Option("--image-mib", min=4, help="Toolkit + workspace MiB per image.")
     ] = 300,
-    link_mbit: Annotated[
-        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
-    ] = 1000,
+    link_mbit: _LinkMbit = 1000,
     concurrency: Concurrency = 8,
     readahead_kib: _Readahead = 0,
     delay_ms: _Delay = 0.5,
@@ -321,6 +323,25 @@ def ondemand_cmd(
     )
 
 
+@scenario(app, "metasplit", image="busybox", image_help="Not used (no sandboxes).")
+def metasplit_cmd(
+    opts: BenchOptions,
+    files: Annotated[
+        int, typer.Option("--files", min=100, help="Small files in the repository.")
+    ] = 20000,
+    trials: Annotated[int, typer.Option("--trials", min=1, help="Cold runs per variant.")] = 5,
+    link_mbit: _LinkMbit = 1000,
+    readahead_kib: _Readahead = 0,
+    delay_ms: _Delay = 0.5,
+) -> Scenario:
+    """EROFS metadata on local disk, data on the network store (--blobdev) against the
+    whole layer on the store, with and without inline data: a cold stat walk and a cold
+    sample read of a repository of small files (issue 16, part 4)."""
+    from corral.bench.metasplit import metasplit
+
+    return metasplit(opts, files, trials, link_mbit, readahead_kib or None, delay_ms)
+
+
 @scenario(
     app,
     "workspace",
@@ -333,9 +354,7 @@ def workspace_cmd(
         int, typer.Option("--sandboxes", min=1, help="Sandboxes, each with its own repository.")
     ] = 64,
     repo_mib: Annotated[int, typer.Option("--repo-mib", min=1, help="MiB per repository.")] = 50,
-    link_mbit: Annotated[
-        int, typer.Option("--link-mbit", min=10, help="Bandwidth of the store's link.")
-    ] = 1000,
+    link_mbit: _LinkMbit = 1000,
     concurrency: Concurrency = 8,
     readahead_kib: _Readahead = 0,
     layer_compress: Annotated[

@@ -44,7 +44,9 @@ def _fail(what: str, e: OSError, *paths: Path | str, detail: str = "") -> HostEr
     return HostError(f"{what} {where} failed: {errtext(e.errno or 0)}{extra}")
 
 
-def mount_erofs(image: Path, target: Path, *, direct: bool = False) -> None:
+def mount_erofs(
+    image: Path, target: Path, *, direct: bool = False, devices: Sequence[Path] = ()
+) -> None:
     """Mount an EROFS image file read-only at ``target``.
 
     The kernel (6.12+) mounts a regular file directly, with no loop device; where it
@@ -55,21 +57,30 @@ def mount_erofs(image: Path, target: Path, *, direct: bool = False) -> None:
     file's own page cache, so what sandboxes read is cached once (as the EROFS files'
     pages) instead of twice. A kernel whose EROFS has no such option gets a buffered mount;
     so does the loop fallback.
+
+    ``devices``: the image's extra blob files (``mkfs.erofs --blobdev``: the image holds
+    the metadata, a blob the data), in order (``-o device=``); file-backed mounts only.
     """
+    for d in devices:
+        if "," in str(d):
+            raise HostError(
+                f"mount erofs {image}: blob path {d} has a comma (a mount option separator)"
+            )
     # Safe: read-only, nodev, nosuid; the image is a content-verified layer file and the
     # target a directory under corral's own mount root. Sandboxes never see this mount
     # directly, only overlays or idmapped clones of it.
     flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
     try:
-        _sys.mount(image, target, "erofs", flags, "directio" if direct else None)
+        opts = (["directio"] if direct else []) + [f"device={d}" for d in devices]
+        _sys.mount(image, target, "erofs", flags, ",".join(opts) or None)
         return
     except OSError as e:
         if direct and e.errno == errno.EINVAL:  # no such option here (or a bad image)
-            mount_erofs(image, target)
+            mount_erofs(image, target, devices=devices)
             return
-        if e.errno != errno.ENOTBLK:
+        if e.errno != errno.ENOTBLK or devices:
             hint = "not an EROFS image, or a corrupt one" if e.errno == errno.EINVAL else ""
-            raise _fail("mount erofs", e, image, target, detail=hint) from None
+            raise _fail("mount erofs", e, image, *devices, target, detail=hint) from None
         first = e
     from corral.host import loop  # only hosts without file-backed EROFS get here
 
