@@ -203,6 +203,62 @@ def test_erofs_loop_fallback(root: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert loop.backed_by(root) == {}  # autoclear freed it with the unmount
 
 
+def test_erofs_direct_io_falls_back_to_buffered(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel whose EROFS refuses ``directio`` (EINVAL) gets a buffered mount."""
+    img = make_layer(root, "l", {"etc/hello": "hi\n"})
+    target = root / "m"
+    target.mkdir()
+    real_mount = mounts._sys.mount
+    refused: list[str] = []
+
+    def no_directio(source, tgt, fstype, flags, data=None):  # type: ignore[no-untyped-def]
+        if fstype == "erofs" and data and "directio" in data:
+            refused.append(data)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_mount(source, tgt, fstype, flags, data)
+
+    monkeypatch.setattr(mounts._sys, "mount", no_directio)
+    mounts.mount_erofs(img, target, direct=True)
+    try:
+        assert refused == ["directio"]
+        assert (target / "etc" / "hello").read_text() == "hi\n"
+        assert "directio" not in mount_options(target)
+    finally:
+        mounts.umount(target)
+
+
+def test_erofs_with_a_data_blob(root: Path) -> None:
+    """``mount_erofs(devices=...)``: a metadata image whose data is in a blob file
+    (``mkfs.erofs --blobdev``), the blob a plain file; a blob path with a comma (the mount
+    options' separator) is refused before anything is mounted."""
+    src = root / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "hello").write_text("hi\n")
+    big = os.urandom(200_000)
+    (src / "etc" / "big").write_bytes(big)
+    meta, blob = root / "meta.erofs", root / "data.blob"
+    subprocess.run(
+        ["mkfs.erofs", "--quiet", f"--blobdev={blob}", "--chunksize=4096", str(meta), str(src)],
+        check=True,
+    )
+    assert meta.stat().st_size < blob.stat().st_size  # the data is in the blob
+    target = root / "m"
+    target.mkdir()
+    mounts.mount_erofs(meta, target, devices=[blob])
+    try:
+        assert (target / "etc" / "hello").read_text() == "hi\n"
+        assert (target / "etc" / "big").read_bytes() == big
+    finally:
+        mounts.umount(target)
+    odd = root / "a,b.blob"
+    blob.rename(odd)
+    with pytest.raises(HostError, match="comma"):
+        mounts.mount_erofs(meta, target, devices=[odd])
+    assert not mounts.is_mountpoint(target)
+
+
 def test_overlay_fd_is_a_detached_mount(root: Path, scratch: Scratch) -> None:
     """mounts.overlay_fd: the overlay works through its fd, appears in no mount table of
     ours, and is gone (its upper's subvolume deletable) once the fd is closed."""
