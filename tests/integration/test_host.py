@@ -600,18 +600,12 @@ def test_layer_mounts_with_hot_blocks_count_like_without(root: Path) -> None:
             mounts.umount(m)
 
 
-def _cached_bytes(path: Path) -> int:
-    from corral.images.hotblocks import resident
-
-    return sum(n for _, n in resident(path)[1])
-
-
 def test_layer_mounts_with_direct_io_cache_a_layer_once(root: Path) -> None:
     """``direct_io``: a layer mounted with direct I/O reads its files' data past the layer
     file's page cache (reading them leaves only the metadata of the file cached; the same
     reads through a buffered mount cache the data a second time), gets no hot-block profile, and ``auto`` picks
     direct I/O for a file on a local disk filesystem and buffered reads on tmpfs."""
-    from corral.images.hotblocks import HotBlocks
+    from corral.images.hotblocks import HotBlocks, resident_bytes
     from corral.images.mounts import LOCAL_DISK_FS
 
     body = os.urandom(1 << 19).hex()  # 1 MiB of text: several MiB-sized reads' worth
@@ -649,7 +643,7 @@ def test_layer_mounts_with_direct_io_cache_a_layer_once(root: Path) -> None:
             assert (p / "etc" / "big").read_text() == body
             # Direct: only metadata goes through the file's page cache (here the first
             # page: superblock, inodes, the directory), the data does not.
-            cached, size = _cached_bytes(image), image.stat().st_size
+            cached, size = resident_bytes(image), image.stat().st_size
             assert cached <= 16 << 10 if direct else cached >= size // 2, (mode, cached, size)
             lm.release(digest)
             assert recorded == ([] if direct else [digest]), mode

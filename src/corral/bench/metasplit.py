@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from corral.bench.dfs import MooseStore
 from corral.bench.ondemand import MIB, drop_cache, open_dfs
 from corral.bench.scenarios import BenchOptions, machine, say
 from corral.host import mounts
@@ -175,7 +176,7 @@ async def metasplit(
 
 
 def _cold(
-    fs: Any,
+    fs: MooseStore,
     every: list[Path],
     image: Path,
     blobs: list[Path],

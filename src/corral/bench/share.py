@@ -93,7 +93,7 @@ def _evict(path: Path) -> None:
 def _cached(path: Path) -> int:
     """Bytes of ``path`` in the page cache (0 if it cannot be read)."""
     try:
-        return sum(n for _, n in hotblocks.resident(path)[1])
+        return hotblocks.resident_bytes(path)
     except OSError:
         return 0
 

@@ -84,6 +84,7 @@ __all__ = [
     "encode",
     "decode",
     "chunks",
+    "resident_bytes",
     "MAX_FRACTION",
     "READ_CHUNK",
     "WORKERS",
@@ -183,6 +184,11 @@ def resident(path: Path) -> tuple[int, list[tuple[int, int]]]:
     if start >= 0:
         extents.append((start * PAGE, min(size, pages * PAGE) - start * PAGE))
     return size, extents
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (:func:`resident`'s extents summed)."""
+    return sum(n for _, n in resident(path)[1])
 
 
 def encode(size: int, extents: list[tuple[int, int]]) -> bytes:
