@@ -3,7 +3,11 @@ stdout line is one JSON object of the documented shape."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from tests.integration.conftest import run_bench
 
 STATE = Path(f"/var/lib/corral-test{TAG}-bench")
 RUN = Path(f"/run/corral-test{TAG}-bench")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +102,39 @@ def test_scale_json_shape(bench) -> None:  # type: ignore[no-untyped-def]
     spans.append(out["destroy_mono_s"])
     flat = [t for span in spans for t in span]
     assert flat == sorted(flat), spans
+
+
+def _sleepers() -> int:
+    """Processes left of tools/host_load.py's (``sleep 86400``)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x0086400\x00"
+            except OSError:
+                continue  # ended while we looked
+    return n
+
+
+def test_host_load_tool(bench) -> None:  # type: ignore[no-untyped-def]
+    """tools/host_load.py: each condition's processes really are in the namespaces it
+    names, the bench ran against an empty node for each, and none of them is left."""
+    assert _sleepers() == 0
+    opts = f"--state-dir {STATE} --run-dir {RUN} --cgroup-subtree corral-test{TAG}-bench"
+    opts += f" --store {TEST_STORE} --image test/busybox"
+    argv = [sys.executable, str(REPO / "tools" / "host_load.py"), "none", "netns", "pidmnt"]
+    argv += ["--count", "12", "--creates", "6", "--concurrency", "2", "--settle", "0"]
+    argv += ["--idle-window", "0.2", "--bench-args", opts, "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    runs = {run["condition"]: run for run in out["runs"]}
+    assert [run["condition"] for run in out["runs"]] == ["none", "netns", "pidmnt"]
+    assert (runs["none"]["processes"], runs["none"]["network_namespaces"]) == (0, 0)
+    assert (runs["netns"]["processes"], runs["netns"]["network_namespaces"]) == (12, 12)
+    assert (runs["pidmnt"]["processes"], runs["pidmnt"]["network_namespaces"]) == (12, 1)
+    for run in out["runs"]:
+        assert run["per_s"] > 0 and run["p99_ms"] >= run["p50_ms"] > 0, run
+        assert "host_init" in run["cpu_ms_per_create"], run
+    assert _sleepers() == 0

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Tell the host's own cost of many namespaces from corral's: ``bench create`` on an
+empty node with N idle processes around it that are not sandboxes.
+
+``bench scale`` grows the live count and watches create and exec slow down. Part of
+that can be the host's rather than corral's: on the VMs this project is measured on,
+pid 1 is the VM's agent, whose CPU follows the number of processes in network namespaces
+of their own (docs/design-notes.md, sessions 19-22). This tool takes corral's sandboxes
+out of the picture: for each condition it starts N ``sleep`` processes, waits, measures
+pid 1's CPU while they idle, runs ``corral bench create --json`` against a node with no
+sandbox alive, then ends them and waits until the cores are idle again (the kernel tears
+their namespaces down in a worker after the processes end, which would slow the next
+condition's bench).
+
+Conditions:
+
+- ``none``: no extra processes;
+- ``netns``: each process in a network namespace of its own (``unshare -n``), as a
+  sandbox's init is;
+- ``pidmnt``: each in a pid and a mount namespace of its own, sharing the host's network
+  namespace (the same count of processes, without the network namespaces).
+
+Prints one JSON object per condition run (its last line, with ``--json``, holds them
+all): create/s, p50, p99, the bench's CPU per create (``machine``, ``host_init``: pid 1's
+share) and pid 1's share of a core while the processes idled.
+
+Example (root; about two minutes per condition with 3,200 processes)::
+
+    PYTHONPATH=src python tools/host_load.py --count 3200 none netns pidmnt netns none
+
+Ends only the processes it started, by pid; nothing else is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_UNSHARE = {
+    "none": None,
+    "netns": ["-n"],
+    "pidmnt": ["-p", "-m", "--fork", "--kill-child"],
+}
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def init_ticks() -> int:
+    """pid 1's user + system clock ticks so far, every thread."""
+    total = 0
+    for tid in os.listdir("/proc/1/task"):
+        try:
+            fields = Path(f"/proc/1/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # a thread that ended
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def start(cond: str, count: int) -> list[subprocess.Popen[bytes]]:
+    flags = _UNSHARE[cond]
+    if flags is None:
+        return []
+    procs = []
+    for _ in range(count):
+        procs.append(
+            subprocess.Popen(
+                ["unshare", *flags, "sleep", "86400"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+        )
+    return procs
+
+
+def await_unshared(procs: list[subprocess.Popen[bytes]], cond: str, timeout: float) -> int:
+    """Wait until every process has left the host's namespace (``unshare`` has run);
+    returns how many distinct network namespaces they are in."""
+    kind = "net" if cond == "netns" else "mnt"
+    host = os.readlink(f"/proc/self/ns/{kind}")
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while os.readlink(f"/proc/{p.pid}/ns/{kind}") == host:
+            if p.poll() is not None:
+                raise RuntimeError(f"unshare exited {p.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pid {p.pid} still in the host's {kind} namespace")
+            time.sleep(0.01)
+    return len({os.readlink(f"/proc/{p.pid}/ns/net") for p in procs})
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) clock ticks of every core so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)
+
+
+def stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> float:
+    """End ``procs`` by pid and wait for the kernel's teardown of their namespaces
+    (``cleanup_net`` in a kernel worker, after the processes are gone) to finish: until
+    the cores are idle again (under 10% busy over 2 s). Returns the wait."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)  # unshare --kill-child takes its child along
+    for p in procs:
+        p.wait()
+    t0 = time.monotonic()
+    before = machine_busy()
+    while time.monotonic() - t0 < timeout:
+        time.sleep(2)
+        now = machine_busy()
+        if (now[0] - before[0]) < 0.1 * max(1, now[1] - before[1]):
+            break
+        before = now
+    return time.monotonic() - t0
+
+
+def bench(corral: list[str], extra: list[str]) -> dict[str, object]:
+    with tempfile.TemporaryFile() as out:
+        subprocess.run(
+            [*corral, "bench", "create", "--json", *extra],
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
+        out.seek(0)
+        result: dict[str, object] = json.loads(out.read().decode().strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("conditions", nargs="+", choices=sorted(_UNSHARE))
+    ap.add_argument("--count", type=int, default=3200, help="idle processes per condition")
+    ap.add_argument("--settle", type=float, default=20.0, help="seconds before measuring")
+    ap.add_argument("--idle-window", type=float, default=10.0, help="seconds pid 1 is timed")
+    ap.add_argument("--creates", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--bench-args", default="", help="more options for bench create")
+    ap.add_argument("--json", action="store_true", help="all runs as one JSON line at the end")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        ap.error("run as root (the bench starts a node)")
+    corral = [sys.executable, "-m", "corral.cli.app"]
+    extra = ["--count", str(args.creates), "--concurrency", str(args.concurrency)]
+    extra += shlex.split(args.bench_args)
+    runs = []
+    for cond in args.conditions:
+        procs = start(cond, args.count)
+        try:
+            netns = await_unshared(procs, cond, timeout=120) if procs else 0
+            time.sleep(args.settle)
+            t0 = init_ticks()
+            time.sleep(args.idle_window)
+            idle = init_ticks() - t0
+            result = bench(corral, extra)
+        finally:
+            waited = stop(procs, timeout=600)
+        c = result["corral"]
+        assert isinstance(c, dict)
+        run = {
+            "condition": cond,
+            "processes": len(procs),
+            "network_namespaces": netns,
+            "init_cpu_share_idle": round(idle / _TICKS / args.idle_window, 3),
+            "per_s": c["per_s"],
+            "p50_ms": c["p50_ms"],
+            "p99_ms": c["p99_ms"],
+            "cpu_ms_per_create": result["cpu_ms_per_create"],
+            "teardown_wait_s": round(waited, 1),
+        }
+        runs.append(run)
+        print(json.dumps(run), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps({"scenario": "host_load", "count": args.count, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
