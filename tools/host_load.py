@@ -144,6 +144,9 @@ def main() -> int:
     ap.add_argument("--idle-window", type=float, default=10.0, help="seconds pid 1 is timed")
     ap.add_argument("--creates", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument(
+        "--teardown-timeout", type=float, default=600.0, help="most seconds to wait for idle"
+    )
     ap.add_argument("--bench-args", default="", help="more options for bench create")
     ap.add_argument("--json", action="store_true", help="all runs as one JSON line at the end")
     args = ap.parse_args()
@@ -163,7 +166,7 @@ def main() -> int:
             idle = init_ticks() - t0
             result = bench(corral, extra)
         finally:
-            waited = stop(procs, timeout=600)
+            waited = stop(procs, timeout=args.teardown_timeout)
         c = result["corral"]
         assert isinstance(c, dict)
         run = {

@@ -124,7 +124,9 @@ def test_host_load_tool(bench) -> None:  # type: ignore[no-untyped-def]
     opts += f" --store {TEST_STORE} --image test/busybox"
     argv = [sys.executable, str(REPO / "tools" / "host_load.py"), "none", "netns", "pidmnt"]
     argv += ["--count", "12", "--creates", "6", "--concurrency", "2", "--settle", "0"]
-    argv += ["--idle-window", "0.2", "--bench-args", opts, "--json"]
+    # 12 namespaces need no teardown wait; a core kept busy by anything else must not
+    # hold the test up.
+    argv += ["--idle-window", "0.2", "--teardown-timeout", "4", "--bench-args", opts, "--json"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
