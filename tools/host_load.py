@@ -64,11 +64,12 @@ def init_ticks() -> int:
     return total
 
 
-def start(cond: str, count: int) -> list[subprocess.Popen[bytes]]:
+def start(cond: str, count: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Start ``count`` idle processes for ``cond`` into ``procs`` (filled as they start,
+    so that a failure part way leaves the caller every one to end)."""
     flags = _UNSHARE[cond]
     if flags is None:
-        return []
-    procs = []
+        return
     for _ in range(count):
         procs.append(
             subprocess.Popen(
@@ -77,7 +78,13 @@ def start(cond: str, count: int) -> list[subprocess.Popen[bytes]]:
                 stdout=subprocess.DEVNULL,
             )
         )
-    return procs
+
+
+def _ns(pid: int, kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:  # exited (a zombie's links cannot be read)
+        return None
 
 
 def await_unshared(procs: list[subprocess.Popen[bytes]], cond: str, timeout: float) -> int:
@@ -87,13 +94,13 @@ def await_unshared(procs: list[subprocess.Popen[bytes]], cond: str, timeout: flo
     host = os.readlink(f"/proc/self/ns/{kind}")
     deadline = time.monotonic() + timeout
     for p in procs:
-        while os.readlink(f"/proc/{p.pid}/ns/{kind}") == host:
+        while (ns := _ns(p.pid, kind)) is None or ns == host:
             if p.poll() is not None:
-                raise RuntimeError(f"unshare exited {p.returncode}")
+                raise RuntimeError(f"{p.args!r} exited {p.returncode}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pid {p.pid} still in the host's {kind} namespace")
             time.sleep(0.01)
-    return len({os.readlink(f"/proc/{p.pid}/ns/net") for p in procs})
+    return len({_ns(p.pid, "net") for p in procs})
 
 
 def machine_busy() -> tuple[int, int]:
@@ -124,13 +131,12 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> float:
 
 
 def bench(corral: list[str], extra: list[str]) -> dict[str, object]:
-    with tempfile.TemporaryFile() as out:
-        subprocess.run(
-            [*corral, "bench", "create", "--json", *extra],
-            stdout=out,
-            stderr=subprocess.DEVNULL,
-            check=True,
-        )
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        rc = subprocess.run([*corral, "bench", "create", "--json", *extra], stdout=out, stderr=err)
+        if rc.returncode != 0:
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"bench create exited {rc.returncode}:\n{tail}")
         out.seek(0)
         result: dict[str, object] = json.loads(out.read().decode().strip().splitlines()[-1])
     return result
@@ -157,8 +163,9 @@ def main() -> int:
     extra += shlex.split(args.bench_args)
     runs = []
     for cond in args.conditions:
-        procs = start(cond, args.count)
+        procs: list[subprocess.Popen[bytes]] = []
         try:
+            start(cond, args.count, procs)
             netns = await_unshared(procs, cond, timeout=120) if procs else 0
             time.sleep(args.settle)
             t0 = init_ticks()
