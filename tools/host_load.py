@@ -153,7 +153,9 @@ def main() -> int:
     ap.add_argument(
         "--teardown-timeout", type=float, default=600.0, help="most seconds to wait for idle"
     )
-    ap.add_argument("--bench-args", default="", help="more options for bench create")
+    ap.add_argument(
+        "--bench-args", default="", help='more options for bench create: --bench-args="--image X"'
+    )
     ap.add_argument("--json", action="store_true", help="all runs as one JSON line at the end")
     args = ap.parse_args()
     if os.geteuid() != 0:
