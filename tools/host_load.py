@@ -42,26 +42,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from corral.bench.stats import host_init_s, machine_busy_s
 
 _UNSHARE = {
     "none": None,
     "netns": ["-n"],
     "pidmnt": ["-p", "-m", "--fork", "--kill-child"],
 }
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def init_ticks() -> int:
-    """pid 1's user + system clock ticks so far, every thread."""
-    total = 0
-    for tid in os.listdir("/proc/1/task"):
-        try:
-            fields = Path(f"/proc/1/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue  # a thread that ended
-        total += int(fields[11]) + int(fields[12])
-    return total
 
 
 def start(cond: str, count: int, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -103,13 +91,6 @@ def await_unshared(procs: list[subprocess.Popen[bytes]], cond: str, timeout: flo
     return len({_ns(p.pid, "net") for p in procs})
 
 
-def machine_busy() -> tuple[int, int]:
-    """(busy, total) clock ticks of every core so far (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)
-
-
 def stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> float:
     """End ``procs`` by pid and wait for the kernel's teardown of their namespaces
     (``cleanup_net`` in a kernel worker, after the processes are gone) to finish: until
@@ -119,14 +100,15 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> float:
             p.send_signal(signal.SIGKILL)  # unshare --kill-child takes its child along
     for p in procs:
         p.wait()
-    t0 = time.monotonic()
-    before = machine_busy()
-    while time.monotonic() - t0 < timeout:
+    cores = os.cpu_count() or 1
+    t0 = at = time.monotonic()
+    busy = machine_busy_s()
+    while at - t0 < timeout:
         time.sleep(2)
-        now = machine_busy()
-        if (now[0] - before[0]) < 0.1 * max(1, now[1] - before[1]):
+        busy_now, now = machine_busy_s(), time.monotonic()
+        if busy_now - busy < 0.1 * cores * (now - at):
             break
-        before = now
+        busy, at = busy_now, now
     return time.monotonic() - t0
 
 
@@ -170,9 +152,9 @@ def main() -> int:
             start(cond, args.count, procs)
             netns = await_unshared(procs, cond, timeout=120) if procs else 0
             time.sleep(args.settle)
-            t0 = init_ticks()
+            init0 = host_init_s()
             time.sleep(args.idle_window)
-            idle = init_ticks() - t0
+            idle = host_init_s() - init0
             result = bench(corral, extra)
         finally:
             waited = stop(procs, timeout=args.teardown_timeout)
@@ -182,7 +164,7 @@ def main() -> int:
             "condition": cond,
             "processes": len(procs),
             "network_namespaces": netns,
-            "init_cpu_share_idle": round(idle / _TICKS / args.idle_window, 3),
+            "init_cpu_share_idle": round(idle / args.idle_window, 3),
             "per_s": c["per_s"],
             "p50_ms": c["p50_ms"],
             "p99_ms": c["p99_ms"],
